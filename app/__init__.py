@@ -1,0 +1,1 @@
+"""The Gradio comparison app (installed as ``attnqat.app``)."""

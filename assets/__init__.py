@@ -1,0 +1,1 @@
+"""Data shipped with attnqat: the embedded tiny model, prompt lists, example media."""

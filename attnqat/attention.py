@@ -1,0 +1,174 @@
+"""The public attention entry point: ``attnqat.attention(q, k, v, method=..., backend=...)``.
+
+Tensors are (batch, seq, heads, head_dim), as diffusers hands them to an attention processor and as
+``flash_attn_func`` takes them. ``q`` may have a different sequence length from ``k``/``v``
+(cross-attention). Methods (DESIGN.md §3.3):
+
+========== ============================================================ ==================
+method     what it computes                                             differentiable
+========== ============================================================ ==================
+bf16       plain softmax attention (PyTorch SDPA), the reference        yes (autograd)
+nvfp4      4-bit attention: NVFP4 Q, K, V and P, no smoothing           no (inference)
+sage3      SageAttention3's 4-bit recipe (smoothing, two-level P)       no (inference)
+attnqat    forward as nvfp4; Attn-QAT backward (both principles)        yes (explicit)
+dropin     forward as nvfp4; ordinary FlashAttention backward (ablation) yes (explicit)
+========== ============================================================ ==================
+
+Backends: ``"torch"`` is the PyTorch reference (:mod:`attnqat.reference`), ``"triton"`` the fused
+kernels of :mod:`attnqat.kernels` (CUDA), ``"auto"`` the kernels where they support the inputs and
+otherwise the PyTorch reference OF THE SAME METHOD, with a one-time warning saying why. No backend
+ever substitutes a different method.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import reference as ref
+
+METHODS = ("bf16", "nvfp4", "sage3", "attnqat", "dropin")
+FP4_METHODS = ("nvfp4", "sage3", "attnqat", "dropin")
+TRAINABLE_METHODS = ("bf16", "attnqat", "dropin")
+BACKENDS = ("auto", "torch", "triton")
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def validate(q, k, v, method: str, softmax_scale, backend: str) -> float:
+    """Check the inputs at the boundary; return the softmax scale to use."""
+    if method not in METHODS:
+        raise ValueError(f"unknown attention method {method!r}; expected one of {', '.join(METHODS)}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (batch, seq, heads, head_dim), "
+                             f"got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor (bfloat16, float16 or float32), got {t.dtype}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has unsupported dtype {t.dtype}; expected bfloat16, float16 or float32")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if not (q.shape[2] == k.shape[2] == v.shape[2]):
+        raise ValueError(f"number of heads differs: q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]} "
+                         "(dimension 2 of (batch, seq, heads, head_dim))")
+    if not (q.shape[3] == k.shape[3] == v.shape[3]):
+        raise ValueError(f"head_dim differs: q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same sequence length, got {k.shape[1]} and {v.shape[1]}")
+    if min(q.shape) == 0 or min(k.shape) == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(q.shape[-1])
+    scale = float(softmax_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    return scale
+
+
+def _bhsd(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)
+
+
+class _FP4TrainingAttention(torch.autograd.Function):
+    """Autograd for ``attnqat`` and ``dropin`` on the PyTorch reference, (B, S, H, D) in and out.
+
+    The forward is the nvfp4 forward; the backward is written out explicitly
+    (:func:`attnqat.reference.attnqat_backward` / :func:`attnqat.reference.dropin_backward`).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale: float, method: str):
+        qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
+        o, o_prime, lse, (qf, kf, vf) = ref.fp4_forward(qb, kb, vb, scale, "nvfp4",
+                                                          need_o_prime=(method == "attnqat"))
+        if method == "attnqat":
+            # Dequantized NVFP4 values are exact in bf16/fp16/fp32: store them in the input dtype.
+            ctx.save_for_backward(qf.to(q.dtype), kf.to(q.dtype), vf.to(q.dtype), o_prime, lse)
+        else:
+            ctx.save_for_backward(qb, kb, vb, o, lse)
+        ctx.scale, ctx.method = scale, method
+        return o.to(q.dtype).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, do):
+        a, b, c, o_like, lse = ctx.saved_tensors
+        dob = _bhsd(do)
+        if ctx.method == "attnqat":
+            dq, dk, dv = ref.attnqat_backward(a, b, c, o_like, lse, dob, ctx.scale)
+        else:
+            dq, dk, dv = ref.dropin_backward(a, b, c, o_like, lse, dob, ctx.scale)
+        dt = do.dtype
+        return dq.to(dt).transpose(1, 2), dk.to(dt).transpose(1, 2), dv.to(dt).transpose(1, 2), None, None
+
+
+def _torch_attention(q, k, v, method: str, scale: float) -> torch.Tensor:
+    if method == "bf16":
+        o = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), scale=scale)
+        return o.transpose(1, 2)
+    if method in ("attnqat", "dropin"):
+        return _FP4TrainingAttention.apply(q, k, v, scale, method)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise RuntimeError(f"method {method!r} is inference-only and has no backward; use 'attnqat' "
+                           "(Attn-QAT training) or 'dropin' (the ablation) to train with 4-bit attention, "
+                           "or run under torch.no_grad()")
+    o, _, _, _ = ref.fp4_forward(_bhsd(q), _bhsd(k), _bhsd(v), scale, method)
+    return o.to(q.dtype).transpose(1, 2)
+
+
+def _kernels():
+    """The Triton kernel module, or None with the reason it cannot be used."""
+    try:
+        from attnqat import kernels  # noqa: PLC0415  (imports triton; optional on CPU machines)
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return None, f"the Triton kernels could not be imported ({type(exc).__name__}: {exc})"
+    if not hasattr(kernels, "triton_attention"):
+        return None, "this build has no Triton attention kernels"
+    return kernels, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = "bf16",
+              softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Attention on (batch, seq, heads, head_dim) tensors with one of :data:`METHODS`.
+
+    Args:
+        q: queries (B, Sq, H, D). k, v: keys and values (B, Skv, H, D). One floating dtype
+            (bfloat16, float16 or float32) and one device for all three.
+        method: ``bf16`` | ``nvfp4`` | ``sage3`` | ``attnqat`` | ``dropin`` (module docstring).
+        softmax_scale: multiplies Q Kᵀ before the softmax; default 1/sqrt(head_dim).
+        backend: ``auto`` | ``torch`` | ``triton``.
+
+    Returns:
+        (B, Sq, H, D) in the dtype of ``q``.
+    """
+    scale = validate(q, k, v, method, softmax_scale, backend)
+    if backend == "torch" or (backend == "auto" and (q.device.type != "cuda" or method == "bf16")):
+        return _torch_attention(q, k, v, method, scale)
+    kernels, why = _kernels()
+    if kernels is not None:
+        why = kernels.triton_unsupported(q, k, v, method)
+    if why is None:
+        return kernels.triton_attention(q, k, v, method=method, softmax_scale=scale)
+    if backend == "triton":
+        raise RuntimeError(f"backend='triton' cannot run method {method!r} here: {why}")
+    _warn_once(f"{method}:{why}", f"attnqat.attention: Triton kernel not used for method {method!r} "
+               f"({why}); running the PyTorch reference of the same method instead")
+    return _torch_attention(q, k, v, method, scale)

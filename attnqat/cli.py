@@ -1,0 +1,120 @@
+"""The ``attnqat`` command line.
+
+Each subcommand lives in the module that owns its feature; this file only knows where to find it.
+A feature module exposes two functions:
+
+* ``add_arguments(parser: argparse.ArgumentParser) -> None`` — declares its options;
+* ``run(args: argparse.Namespace) -> int`` — does the work and returns the exit code.
+
+Modules are imported lazily, so ``attnqat --help`` stays fast and a missing optional dependency of
+one feature never breaks the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    module: str  # module exposing add_arguments() and run()
+    help: str
+
+
+# Top-level commands. Commands with sub-commands (``bench``, ``eval``, ``finetune``) list them below.
+COMMANDS: list[Command] = [
+    Command("generate", "attnqat.generate_cli",
+            "generate one Wan 2.1 clip per attention method (same seed, same prompt embeddings), "
+            "a labelled side-by-side mp4 and a JSON record of timings and PSNR/SSIM"),
+    Command("app", "attnqat.app.cli",
+            "launch the Gradio comparison app (embedded tiny model by default; no GPU, no network)"),
+]
+
+GROUPS: dict[str, tuple[str, list[Command]]] = {
+    "bench": ("benchmarks that print a table and write JSON", [
+        Command("accuracy", "attnqat.accuracy",
+                "accuracy of the 4-bit attention methods against BF16 (cosine, relative L1, RMSE) "
+                "on random and outlier-heavy inputs"),
+        Command("kernels", "attnqat.kernels.bench",
+                "time every attention method and PyTorch SDPA at the Wan 2.1 shapes (GPU)"),
+        Command("wan", "attnqat.bench_wan",
+                "time one full-size Wan 2.1 transformer forward per attention method (GPU, random weights)"),
+    ]),
+    "eval": ("blind win-tie-lose human study", [
+        Command("build", "attnqat.eval.build", "build a blind study from generated clips"),
+        Command("serve", "attnqat.eval.serve", "serve the rater web app for a study"),
+        Command("report", "attnqat.eval.report", "statistics, plots and exports of a study's votes"),
+    ]),
+    "finetune": ("Attn-QAT fine-tuning and the project's own tiny model", [
+        Command("train", "attnqat.finetune.train", "fine-tune a Wan transformer with Attn-QAT"),
+    ]),
+}
+
+
+def _load(cmd: Command):
+    try:
+        return importlib.import_module(cmd.module)
+    except ModuleNotFoundError as exc:
+        if exc.name and (cmd.module == exc.name or cmd.module.startswith(exc.name + ".")):
+            return None  # the feature is not part of this build yet
+        raise
+
+
+def _add(subparsers, cmd: Command) -> None:
+    parser = subparsers.add_parser(cmd.name, help=cmd.help, description=cmd.help,
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.set_defaults(_command=cmd)
+    module = _load(cmd) if _wants(cmd) else None
+    if module is not None:
+        module.add_arguments(parser)
+
+
+_ARGV: list[str] = []
+
+
+def _wants(cmd: Command) -> bool:
+    """Import a feature module only when its command (or a help listing it) is being parsed."""
+    return cmd.name in _ARGV
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="attnqat",
+        description="4-bit (NVFP4) attention for Wan 2.1 video generation: BF16, NVFP4, "
+                    "SageAttention3 and Attn-QAT side by side; Attn-QAT fine-tuning; blind human "
+                    "evaluation. Run `attnqat COMMAND --help` for the options of a command.",
+    )
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for cmd in COMMANDS:
+        _add(sub, cmd)
+    for group, (help_text, commands) in GROUPS.items():
+        gp = sub.add_parser(group, help=help_text, description=help_text)
+        gsub = gp.add_subparsers(title=f"{group} commands", metavar="COMMAND")
+        gp.set_defaults(_group_parser=gp)
+        for cmd in commands:
+            _add(gsub, cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _ARGV[:] = argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cmd: Command | None = getattr(args, "_command", None)
+    if cmd is None:
+        (getattr(args, "_group_parser", None) or parser).print_help()
+        return 2
+    module = _load(cmd)
+    if module is None:
+        print(f"attnqat: `{cmd.name}` is not implemented yet in this version.", file=sys.stderr)
+        return 2
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""PyTorch reference implementations of the attention methods (DESIGN.md §3.3).
+
+These are the oracles the Triton kernels are tested against, and the implementation that runs on
+any device where the kernels do not. Layout inside this module: (batch, heads, seq, head_dim),
+float32 arithmetic. Nothing of size seq_q × seq_kv is materialized at once: the forward walks over
+key tiles of :data:`KV_TILE` keys (the tile width is part of the ``nvfp4`` definition, because the
+running maximum that P̃ is quantized against is taken tile by tile) and over chunks of queries; the
+backward walks over chunks of queries.
+
+Methods
+-------
+``nvfp4``   Q, K quantized per 16 along head_dim, V per 16 along tokens; P̃ = exp(S·scale − m) with m
+            the running row maximum after the current key tile, fake-quantized per 16 keys with
+            single-level scales; the normalizer l sums the UNquantized P̃; O = Σ P̃ᶠ Vᶠ / l.
+``sage3``   SageAttention3's recipe: K minus its per-(batch, head) token mean, Q minus its
+            128-query-block mean with the correction q̄·K_sᵀ added in float32, two-level P
+            (the row's running maximum maps to 448·6 = 2688, then per-16 E4M3 scales; each element
+            is divided by the UNROUNDED block scale and the scale rounded afterwards, as upstream
+            does), V per 16 along tokens.
+``attnqat`` forward as ``nvfp4``, plus O' = Σ P̃ Vᶠ / l and the log-sum-exp for the backward
+            (:func:`attnqat_backward`).
+``dropin``  forward as ``nvfp4``; ordinary FlashAttention backward (:func:`dropin_backward`).
+
+Forward/backward quantization of P. The forward quantizes P̃ relative to the running maximum; the
+backward (principle 1) re-quantizes the normalized P = exp(S·scale − LSE). The two differ only by a
+per-row factor exp(m_tile − LSE) applied before the block scales are rounded, so the dequantized
+values differ where that factor moves an element or a scale across a rounding boundary. Measured
+with :func:`forward_backward_p_mismatch` (B=1, H=4, S=1024, D=64, randn inputs, float32,
+2026-11-22): the backward's Pᶠ differs from the forward's effective normalized P̃ᶠ/l by
+‖Δ‖/‖Pᶠ‖ = 2.1e-2 on random inputs and 2.0e-2 with heavy-tailed (Student-t, ν=2) inputs, against a
+quantization error of P itself of ‖Pᶠ − P‖/‖P‖ = 9.4e-2: the mismatch is a fraction of the
+quantization noise, which is what the straight-through backward already ignores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, _quantize_blocks, e2m1_round, e4m3_round, fake_quantize_nvfp4
+
+KV_TILE = 128          # key-tile width that defines the running maximum of the nvfp4 forward
+SAGE_Q_BLOCK = 128     # query block over which sage3 subtracts the mean of Q
+SAGE_P_RANGE = E4M3_MAX * E2M1_MAX  # 2688: a row's running maximum maps here in sage3's level 1
+
+_FWD_BUDGET = 1 << 25   # float32 elements per (B, H, q_chunk, KV_TILE) temporary in the forward
+_BWD_BUDGET = 1 << 25   # float32 elements per (B, H, q_chunk, seq_kv) temporary in the backward
+
+
+# ----------------------------------------------------------------------------------------------
+# P quantizers
+# ----------------------------------------------------------------------------------------------
+
+def quantize_p_nvfp4(p: torch.Tensor) -> torch.Tensor:
+    """Fake-quantize non-negative probabilities per 16 along the last (key) axis, single-level."""
+    return fake_quantize_nvfp4(p, dim=-1)
+
+
+def quantize_p_sage3(p: torch.Tensor) -> torch.Tensor:
+    """SageAttention3's two-level P quantizer on P̃ ≤ 1 (relative to the running maximum).
+
+    Level 1 maps the running maximum (P̃ = 1) to 448·6; level 2 takes per-16-key scales
+    s = amax/6, divides by the unrounded s and stores E4M3_RN(s). Dequantized: code·E4M3(s)/2688.
+    """
+    n = p.shape[-1]
+    pad = (-n) % BLOCK
+    p2 = p.to(torch.float32) * SAGE_P_RANGE
+    if pad:
+        p2 = torch.nn.functional.pad(p2, (0, pad))
+    blocks = p2.reshape(*p2.shape[:-1], -1, BLOCK)
+    s = blocks.amax(dim=-1, keepdim=True) / E2M1_MAX
+    code = e2m1_round(torch.where(s > 0, blocks / torch.where(s > 0, s, 1.0), 0.0))
+    deq = code * e4m3_round(s) / SAGE_P_RANGE
+    return deq.reshape(*deq.shape[:-2], -1)[..., :n]
+
+
+# ----------------------------------------------------------------------------------------------
+# Operand preparation
+# ----------------------------------------------------------------------------------------------
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """Fake-quantized float32 Q, K (per 16 along head_dim) and V (per 16 along tokens), all in
+    (B, H, S, D) layout."""
+    qf = fake_quantize_nvfp4(q.float(), dim=-1)
+    kf = fake_quantize_nvfp4(k.float(), dim=-1)
+    vf = fake_quantize_nvfp4(v.float(), dim=-2)
+    return qf, kf, vf
+
+
+def sage3_smooth(q: torch.Tensor, k: torch.Tensor):
+    """SageAttention3 smoothing, float32, (B, H, S, D) layout.
+
+    Returns (q_smoothed, q_block_mean_per_query, k_smoothed): K minus its token mean; Q minus the
+    mean of its 128-query block (aligned at query 0, the ragged last block averages its real rows).
+    """
+    q = q.float()
+    k = k.float()
+    ks = k - k.mean(dim=-2, keepdim=True)
+    B, H, S, D = q.shape
+    nb = -(-S // SAGE_Q_BLOCK)
+    pad = nb * SAGE_Q_BLOCK - S
+    qp = torch.nn.functional.pad(q, (0, 0, 0, pad)).reshape(B, H, nb, SAGE_Q_BLOCK, D)
+    counts = torch.full((nb,), float(SAGE_Q_BLOCK), device=q.device)
+    counts[-1] = SAGE_Q_BLOCK - pad
+    qmean = qp.sum(dim=3) / counts[:, None]
+    qmean_rows = qmean.repeat_interleave(SAGE_Q_BLOCK, dim=2)[:, :, :S]
+    return q - qmean_rows, qmean_rows, ks
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+def _chunks(total: int, size: int):
+    for start in range(0, total, size):
+        yield start, min(start + size, total)
+
+
+def fp4_forward(q, k, v, scale: float, method: str = "nvfp4", *, quantize: bool = True,
+                need_o_prime: bool = False):
+    """Forward of the 4-bit methods on (B, H, S, D) tensors.
+
+    Returns ``(o, o_prime, lse, (qf, kf, vf))`` in float32; ``o_prime`` is None unless requested.
+    ``quantize=False`` runs the same algorithm (tiling, smoothing) without any quantizer: it must
+    equal exact attention, which the tests use to show the smoothing changes nothing by itself.
+    """
+    if method not in ("nvfp4", "sage3"):
+        raise ValueError(f"fp4_forward handles 'nvfp4' and 'sage3', got {method!r}")
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    qmean = ks = None
+    if method == "sage3":
+        q_in, qmean, k_in = sage3_smooth(q, k)
+    else:
+        q_in, k_in = q.float(), k.float()
+    if quantize:
+        qf, kf, vf = quantize_qkv(q_in, k_in, v)
+        quant_p = quantize_p_sage3 if method == "sage3" else quantize_p_nvfp4
+    else:
+        qf, kf, vf = q_in, k_in, v.float()
+        quant_p = None
+    if method == "sage3":
+        ks = k_in  # the correction q̄·K_sᵀ uses the unquantized smoothed K, in float32
+
+    o = torch.empty(B, H, Sq, D, device=q.device, dtype=torch.float32)
+    o_prime = torch.empty_like(o) if need_o_prime else None
+    lse = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+    q_chunk = max(KV_TILE, (_FWD_BUDGET // max(1, B * H * KV_TILE)) // KV_TILE * KV_TILE)
+    for q0, q1 in _chunks(Sq, q_chunk):
+        qc = qf[:, :, q0:q1]
+        m = torch.full((B, H, q1 - q0), -math.inf, device=q.device)
+        l = torch.zeros(B, H, q1 - q0, device=q.device)
+        acc = torch.zeros(B, H, q1 - q0, D, device=q.device)
+        acc2 = torch.zeros_like(acc) if need_o_prime else None
+        for k0, k1 in _chunks(Skv, KV_TILE):
+            s = qc @ kf[:, :, k0:k1].transpose(-1, -2)
+            if qmean is not None:
+                s = s + qmean[:, :, q0:q1] @ ks[:, :, k0:k1].transpose(-1, -2)
+            s = s * scale
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new[..., None])
+            l = l * alpha + p.sum(dim=-1)
+            pf = quant_p(p) if quant_p is not None else p
+            vt = vf[:, :, k0:k1]
+            acc = acc * alpha[..., None] + pf @ vt
+            if acc2 is not None:
+                acc2 = acc2 * alpha[..., None] + p @ vt
+            m = m_new
+        o[:, :, q0:q1] = acc / l[..., None]
+        if acc2 is not None:
+            o_prime[:, :, q0:q1] = acc2 / l[..., None]
+        lse[:, :, q0:q1] = m + torch.log(l)
+    return o, o_prime, lse, (qf, kf, vf)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+def _flash_backward(q, k, v, lse, d_row, do, scale, quantize_pv: bool):
+    """Shared FlashAttention-style backward on float32 (B, H, S, D) operands.
+
+    P = exp(S·scale − LSE) with S = q kᵀ; dV = (Pᶠ)ᵀ dO where Pᶠ is P fake-quantized per 16 keys if
+    ``quantize_pv`` else P; dP = dO vᵀ; dS = P ∘ (dP − D); dQ = scale·dS k; dK = scale·dSᵀ q.
+    ``d_row`` is D (B, H, Sq), computed by the caller from whichever output the method prescribes.
+    """
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    dq = torch.empty_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    q_chunk = max(BLOCK, (_BWD_BUDGET // max(1, B * H * Skv)) // BLOCK * BLOCK)
+    for q0, q1 in _chunks(Sq, q_chunk):
+        qc, doc = q[:, :, q0:q1], do[:, :, q0:q1]
+        p = torch.exp((qc @ k.transpose(-1, -2)) * scale - lse[:, :, q0:q1, None])
+        pv = quantize_p_nvfp4(p) if quantize_pv else p
+        dv += pv.transpose(-1, -2) @ doc
+        ds = p * (doc @ v.transpose(-1, -2) - d_row[:, :, q0:q1, None])
+        dq[:, :, q0:q1] = (ds @ k) * scale
+        dk += (ds.transpose(-1, -2) @ qc) * scale
+    return dq, dk, dv
+
+
+def attnqat_backward(qf, kf, vf, o_prime, lse, do, scale):
+    """Attn-QAT backward (both principles), straight-through for every quantizer.
+
+    Principle 1: S is recomputed from Qᶠ, Kᶠ and P = exp(S·scale − LSE) is fake-quantized with the
+    forward's quantizer before dV = (Pᶠ)ᵀ dO. Principle 2: D = rowsum(dO ∘ O') with O' the output of
+    unquantized P and quantized V; dP = dO (Vᶠ)ᵀ; dS = P ∘ (dP − D); dQ = scale·dS Kᶠ;
+    dK = scale·dSᵀ Qᶠ. Returns (dq, dk, dv) in float32, (B, H, S, D).
+    """
+    do = do.float()
+    d_row = (do * o_prime).sum(dim=-1)
+    return _flash_backward(qf.float(), kf.float(), vf.float(), lse, d_row, do, scale, quantize_pv=True)
+
+
+def dropin_backward(q, k, v, o, lse, do, scale):
+    """Drop-in ablation backward: the ordinary FlashAttention backward from unquantized Q, K, V,
+    fed with the FP4 forward's output O (for D) and log-sum-exp."""
+    do = do.float()
+    d_row = (do * o.float()).sum(dim=-1)
+    return _flash_backward(q.float(), k.float(), v.float(), lse, d_row, do, scale, quantize_pv=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact attention (float32), for tests and the bf16 method's reference
+# ----------------------------------------------------------------------------------------------
+
+def exact_attention(q, k, v, scale: float) -> torch.Tensor:
+    """Exact softmax attention in float32 on (B, H, S, D) tensors, chunked over queries."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    out = torch.empty(B, H, Sq, v.shape[-1], device=q.device, dtype=torch.float32)
+    q_chunk = max(1, _BWD_BUDGET // max(1, B * H * Skv))
+    for q0, q1 in _chunks(Sq, q_chunk):
+        s = (q[:, :, q0:q1].float() @ k.float().transpose(-1, -2)) * scale
+        out[:, :, q0:q1] = torch.softmax(s, dim=-1) @ v.float()
+    return out
+
+
+def forward_backward_p_mismatch(q, k, v, scale: float | None = None) -> dict:
+    """Measure how far the backward's Pᶠ (normalized P, re-quantized) is from the forward's
+    effective normalized quantized P̃ᶠ·exp(m_tile − LSE). Small (B, H, S, D) inputs only: it
+    materializes the S×S matrices. Returns relative Frobenius norms."""
+    scale = scale if scale is not None else q.shape[-1] ** -0.5
+    qf, kf, _ = quantize_qkv(q, k, v)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    Skv = s.shape[-1]
+    m = torch.full(s.shape[:-1], -math.inf, device=s.device)
+    fwd_parts, m_parts = [], []
+    for k0, k1 in _chunks(Skv, KV_TILE):
+        m = torch.maximum(m, s[..., k0:k1].amax(dim=-1))
+        fwd_parts.append(quantize_p_nvfp4(torch.exp(s[..., k0:k1] - m[..., None])))
+        m_parts.append(m.clone())
+    lse = torch.logsumexp(s, dim=-1)
+    fwd = torch.cat([pf * torch.exp(mt - lse)[..., None] for pf, mt in zip(fwd_parts, m_parts)], dim=-1)
+    p = torch.exp(s - lse[..., None])
+    bwd = quantize_p_nvfp4(p)
+    return {
+        "fwd_vs_bwd": (torch.linalg.norm(fwd - bwd) / torch.linalg.norm(bwd)).item(),
+        "p_quant_error": (torch.linalg.norm(bwd - p) / torch.linalg.norm(p)).item(),
+    }

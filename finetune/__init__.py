@@ -1,0 +1,1 @@
+"""Fine-tuning: datasets, the Attn-QAT training loop, checkpoints (installed as ``attnqat.finetune``)."""
