@@ -98,24 +98,23 @@ class _FP4TrainingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale: float, method: str):
         qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
-        o, o_prime, lse, (qf, kf, vf) = ref.fp4_forward(qb, kb, vb, scale, "nvfp4",
-                                                          need_o_prime=(method == "attnqat"))
+        f = ref.fp4_forward(qb, kb, vb, scale, "nvfp4", need_o_prime=(method == "attnqat"))
         if method == "attnqat":
             # Dequantized NVFP4 values are exact in bf16/fp16/fp32: store them in the input dtype.
-            ctx.save_for_backward(qf.to(q.dtype), kf.to(q.dtype), vf.to(q.dtype), o_prime, lse)
+            dt = q.dtype
+            ctx.save_for_backward(f.qf.to(dt), f.kf.to(dt), f.vf.to(dt), f.o_prime, f.lse, f.row_max)
         else:
-            ctx.save_for_backward(qb, kb, vb, o, lse)
+            ctx.save_for_backward(qb, kb, vb, f.o, f.lse)
         ctx.scale, ctx.method = scale, method
-        return o.to(q.dtype).transpose(1, 2)
+        return f.o.to(q.dtype).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, do):
-        a, b, c, o_like, lse = ctx.saved_tensors
         dob = _bhsd(do)
         if ctx.method == "attnqat":
-            dq, dk, dv = ref.attnqat_backward(a, b, c, o_like, lse, dob, ctx.scale)
+            dq, dk, dv = ref.attnqat_backward(*ctx.saved_tensors, dob, ctx.scale)
         else:
-            dq, dk, dv = ref.dropin_backward(a, b, c, o_like, lse, dob, ctx.scale)
+            dq, dk, dv = ref.dropin_backward(*ctx.saved_tensors, dob, ctx.scale)
         dt = do.dtype
         return dq.to(dt).transpose(1, 2), dk.to(dt).transpose(1, 2), dv.to(dt).transpose(1, 2), None, None
 
@@ -130,7 +129,7 @@ def _torch_attention(q, k, v, method: str, scale: float) -> torch.Tensor:
         raise RuntimeError(f"method {method!r} is inference-only and has no backward; use 'attnqat' "
                            "(Attn-QAT training) or 'dropin' (the ablation) to train with 4-bit attention, "
                            "or run under torch.no_grad()")
-    o, _, _, _ = ref.fp4_forward(_bhsd(q), _bhsd(k), _bhsd(v), scale, method)
+    o = ref.fp4_forward(_bhsd(q), _bhsd(k), _bhsd(v), scale, method).o
     return o.to(q.dtype).transpose(1, 2)
 
 
