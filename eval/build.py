@@ -31,10 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="new (or empty) folder for the study: media/, study.db, study.json, "
                              "invites.csv")
-    parser.add_argument("--name", default=None, help="study name (default: the --out folder's name)")
+    parser.add_argument("--name", default=None, help="study name; if omitted, the --out folder's name")
     parser.add_argument("--db", default=None,
-                        help="SQLAlchemy database URL (e.g. postgresql://user@host/db); default: "
-                             "SQLite file OUT/study.db in WAL mode")
+                        help="SQLAlchemy database URL (e.g. postgresql://user@host/db); if "
+                             "omitted, the SQLite file OUT/study.db in WAL mode")
     parser.add_argument("--reference", default="bf16",
                         help="reference method; without --pairs every other method is compared "
                              "with it")
@@ -71,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--crf", type=int, default=18,
                         help="x264 quality of the re-encoded clips (same for every clip)")
     parser.add_argument("--prompt-file", type=Path, default=None,
-                        help="prompt list, one per line (e.g. VBench all_dimension.txt); default "
-                             "for --write-prompts: the project's assets/prompts.txt")
+                        help="prompt list, one per line (e.g. VBench all_dimension.txt); if "
+                             "omitted, --write-prompts uses the project's assets/prompts.txt")
     parser.add_argument("--sample", type=int, default=None,
                         help="draw this many prompts reproducibly (with --seed)")
     parser.add_argument("--write-prompts", type=Path, default=None,
@@ -112,13 +112,8 @@ def run(args: argparse.Namespace) -> int:
             equivalence_margin=args.equivalence_margin, alpha=args.alpha,
             min_check_accuracy=args.min_check_accuracy, min_checks=args.min_checks,
             n_boot=args.n_boot, seed=args.seed)
-        config.validate()
-        if args.crf is not None:
-            from .media import common_settings, probe
-            paths = sorted({c.path for c in clips})
-            config.encode = common_settings([probe(p) for p in paths], crf=args.crf).as_dict()
         result = build_study(clips, args.out, config, db_url=args.db, n_raters=args.raters,
-                             progress=not args.quiet)
+                             crf=args.crf, progress=not args.quiet)
     except (InputError, MediaError) as exc:
         return _fail(str(exc))
     counts = ", ".join(f"{n} {kind}" for kind, n in sorted(result.counts.items()))

@@ -213,14 +213,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="study folder made by `attnqat eval build` (its study.db is read "
                              "unless --db is given)")
     parser.add_argument("--db", default=None,
-                        help="SQLAlchemy database URL of the study (e.g. postgresql://…); "
-                             "default: sqlite:///STUDY/study.db")
+                        help="SQLAlchemy database URL of the study (e.g. postgresql://…); if "
+                             "omitted, sqlite:///STUDY/study.db")
     parser.add_argument("--name", default=None,
                         help="study name, needed only when the database holds several studies")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output folder (default: STUDY/report, or ./report with --db only)")
+                        help="output folder; if omitted, STUDY/report (./report with --db only)")
     parser.add_argument("--n-boot", type=int, default=None,
-                        help="bootstrap resamples of prompts (default: the study's declared value)")
+                        help="bootstrap resamples of prompts; if omitted, the study's declared value")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -254,15 +254,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="study folder made by `attnqat eval build` (clips are served from its "
                              "media/ folder only)")
     parser.add_argument("--db", default=None,
-                        help="SQLAlchemy database URL (default: sqlite:///STUDY/study.db)")
+                        help="SQLAlchemy database URL; if omitted, sqlite:///STUDY/study.db")
     parser.add_argument("--name", default=None,
                         help="study name, needed only when the database holds several studies")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (0.0.0.0 to accept raters from other machines)")
     parser.add_argument("--port", type=int, default=7870, help="port to listen on")
-    parser.add_argument("--admin-password", default=os.environ.get("ATTNQAT_ADMIN_PASSWORD"),
-                        help="password of the /admin view (default: $ATTNQAT_ADMIN_PASSWORD, else "
-                             "a random one printed at start)")
+    parser.add_argument("--admin-password", default=None,
+                        help="password of the /admin view; if omitted, $ATTNQAT_ADMIN_PASSWORD, "
+                             "else a random one printed at start")
     parser.add_argument("--log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level")
@@ -271,8 +271,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    password = args.admin_password or os.environ.get("ATTNQAT_ADMIN_PASSWORD")
     try:
-        server = open_study(args.study, args.db, args.name, args.admin_password)
+        server = open_study(args.study, args.db, args.name, password)
     except (LookupError, FileNotFoundError) as exc:
         print(f"attnqat eval serve: {exc}", file=sys.stderr)
         return 2
@@ -281,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"study {server.name!r}: raters open http://{shown_host}:{args.port}/r/TOKEN "
           f"(tokens in {server.study_dir / 'invites.csv'})")
     print(f"admin: http://{shown_host}:{args.port}/admin", end="")
-    print("" if args.admin_password else f" (password: {server.admin_password})")
+    print("" if password else f" (password: {server.admin_password})")
     sys.stdout.flush()
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

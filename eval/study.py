@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sqlalchemy import select
+from sqlalchemy.orm import sessionmaker
 from tqdm.auto import tqdm
 
 from . import media
@@ -190,11 +191,14 @@ def _prepare_out_dir(out_dir: Path) -> None:
 
 
 def build_study(clips: Sequence[ClipSource], out_dir: str | Path, config: StudyConfig, *,
-                db_url: str | None = None, n_raters: int = 0, progress: bool = True
-                ) -> BuildResult:
-    """Plan items, re-encode every clip under an opaque name, and write the study's records."""
-    from .rating import add_raters  # the invite logic lives with the rater flow
+                db_url: str | None = None, n_raters: int = 0, crf: int = 18,
+                progress: bool = True) -> BuildResult:
+    """Plan items, re-encode every clip under an opaque name, and write the study's records.
 
+    Unless ``config.encode`` already fixes the settings, clips are encoded at the most common
+    resolution and frame rate of the sources, with x264 quality ``crf``. If anything fails, the
+    study folder is removed again (the database rows are written last, in one transaction).
+    """
     config.validate()
     available = methods_of(clips)
     unknown = sorted({m for p in config.pairs for m in p} - set(available))
@@ -203,9 +207,22 @@ def build_study(clips: Sequence[ClipSource], out_dir: str | Path, config: StudyC
                          f"{', '.join(available) or 'none'}")
     plan = plan_items(clips, config)
     out_dir = Path(out_dir)
-    db_url = db_url or default_db_url(out_dir)
     _prepare_out_dir(out_dir)
-    engine, Session = open_db(db_url)
+    engine, Session = open_db(db_url or default_db_url(out_dir))
+    try:
+        return _build(plan, out_dir, config, Session, n_raters, crf, progress)
+    except BaseException:
+        engine.dispose()  # release the SQLite file before removing the folder
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    finally:
+        engine.dispose()
+
+
+def _build(plan: Sequence[PlannedItem], out_dir: Path, config: StudyConfig, Session: sessionmaker,
+           n_raters: int, crf: int, progress: bool) -> BuildResult:
+    from .rating import add_raters  # the invite logic lives with the rater flow
+
     with Session() as session:
         if session.scalar(select(Study).where(Study.name == config.name)) is not None:
             raise InputError(f"the database already holds a study named {config.name!r}")
@@ -215,7 +232,7 @@ def build_study(clips: Sequence[ClipSource], out_dir: str | Path, config: StudyC
     jobs = sorted({(it.a.path, it.degrade_a) for it in plan} | {(it.b.path, it.degrade_b) for it in plan})
     if not config.encode:
         infos = [media.probe(p) for p in sorted({p for p, _ in jobs})]
-        config.encode = media.common_settings(infos).as_dict()
+        config.encode = media.common_settings(infos, crf=crf).as_dict()
     settings = media.EncodeSettings(**config.encode)
     work = out_dir / ".encode"
     work.mkdir(exist_ok=True)
@@ -266,7 +283,7 @@ def build_study(clips: Sequence[ClipSource], out_dir: str | Path, config: StudyC
     invites = add_raters(Session, study_id, n_raters) if n_raters else []
     (out_dir / "study.json").write_text(config.to_json() + "\n", encoding="utf-8")
     write_invites(out_dir, invites)
-    engine.dispose()
+    db_url = Session.kw["bind"].url.render_as_string(hide_password=True)
     return BuildResult(study_id, config.name, out_dir, db_url, counts, len(sides), size, invites)
 
 

@@ -197,3 +197,42 @@ def test_every_build_option_has_help():
         for action in parser._actions:
             if action.dest != "help":
                 assert action.help, f"{module.__name__}: --{action.dest} has no help"
+
+
+def test_failed_build_leaves_no_half_study(generated, tmp_path):
+    runs, _ = generated
+    clips = sources.load_sources([runs])
+    broken = tmp_path / "broken.mp4"
+    broken.write_bytes(b"not a video")
+    bad = [c if c.method != "nvfp4" or c.prompt != clips[0].prompt else
+           sources.ClipSource(c.prompt, c.seed, c.method, broken) for c in clips]
+    out = tmp_path / "study"
+    config = StudyConfig(name="s", pairs=[("nvfp4", "bf16")], encode={"width": 64, "height": 64,
+                                                                      "fps": 8.0})
+    from attnqat.eval.media import MediaError
+    with pytest.raises(MediaError, match="ffmpeg failed"):
+        build_study(bad, out, config, progress=False)
+    assert not out.exists()
+
+
+def test_study_in_another_database_url(generated, tmp_path):
+    runs, _ = generated
+    db = tmp_path / "elsewhere" / "all-studies.db"
+    db.parent.mkdir()
+    url = f"sqlite:///{db}"
+    assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "s1"), "--db", url,
+                     "--name", "first", "--sample", "2", "--quiet"]) == 0
+    assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "s2"), "--db", url,
+                     "--name", "second", "--sample", "3", "--quiet"]) == 0
+    assert not (tmp_path / "s1" / "study.db").exists()
+    names = [n for (n,) in sqlite3.connect(db).execute("SELECT name FROM studies ORDER BY id")]
+    assert names == ["first", "second"]
+    # Same name twice in one database is refused, and leaves nothing behind.
+    assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "s3"), "--db", url,
+                     "--name", "first", "--quiet"]) == 2
+    assert not (tmp_path / "s3").exists()
+    # The report needs --name when a database holds several studies.
+    assert cli_main(["eval", "report", "--db", url, "--out", str(tmp_path / "r")]) == 2
+    assert cli_main(["eval", "report", "--db", url, "--name", "second", "--n-boot", "50",
+                     "--out", str(tmp_path / "r")]) == 0
+    assert json.loads((tmp_path / "r" / "results.json").read_text())["study"] == "second"
