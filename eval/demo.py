@@ -91,8 +91,11 @@ class LocalServer:
     """``attnqat eval serve`` for a study folder, in a child process on 127.0.0.1."""
 
     def __init__(self, study_dir: str | Path, admin_password: str = "admin-secret",
-                 port: int | None = None, log_path: str | Path | None = None) -> None:
+                 port: int | None = None, log_path: str | Path | None = None,
+                 db_url: str | None = None, name: str | None = None) -> None:
         self.study_dir = Path(study_dir)
+        self.db_url = db_url
+        self.name = name
         self.admin_password = admin_password
         self.port = port or free_port()
         self.log_path = Path(log_path) if log_path else self.study_dir.parent / f"server-{self.port}.log"
@@ -107,11 +110,12 @@ class LocalServer:
         import httpx
 
         env = {**os.environ, "ATTNQAT_ADMIN_PASSWORD": self.admin_password}
+        command = [sys.executable, "-m", "attnqat.cli", "eval", "serve", "--study",
+                   str(self.study_dir), "--host", "127.0.0.1", "--port", str(self.port)]
+        command += ["--db", self.db_url] if self.db_url else []
+        command += ["--name", self.name] if self.name else []
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "attnqat.cli", "eval", "serve", "--study", str(self.study_dir),
-             "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
