@@ -48,7 +48,6 @@ from sqlalchemy import select
 from sqlalchemy.orm import sessionmaker
 
 from . import rating
-from .results import analyze, json_safe, load_votes, progress_tables
 from .storage import CRITERIA, Clip, default_db_url, find_study, open_db
 from .study import StudyConfig, write_invites
 
@@ -223,19 +222,26 @@ def create_app(server: StudyServer) -> FastAPI:
     def admin_page() -> HTMLResponse:
         return HTMLResponse(pages["admin.html"])
 
+    # The analysis needs scipy; imported on first use so the rater app starts faster.
     @app.get("/admin/api/progress", dependencies=[Depends(admin)])
     def admin_progress() -> dict:
+        from .results import progress_tables
+
         with Session() as session:
             return {"study": server.name, **progress_tables(session, study_id)}
 
     @app.get("/admin/api/results", dependencies=[Depends(admin)])
     def admin_results() -> dict:
+        from .results import analyze, json_safe, load_votes
+
         with Session() as session:
             votes = load_votes(session, study_id)
         return json_safe(analyze(votes, server.config))
 
     @app.get("/admin/api/votes", dependencies=[Depends(admin)])
     def admin_votes() -> list[dict]:
+        from .results import load_votes
+
         with Session() as session:
             return [v.flat() for v in load_votes(session, study_id)]
 

@@ -264,11 +264,13 @@ def test_twenty_concurrent_raters_lose_no_vote_and_count_none_twice(runs, tmp_pa
                 codes: list[int] = []
                 barrier = threading.Barrier(2)
 
-                def send(client: RaterClient) -> None:
-                    barrier.wait(timeout=30)
-                    codes.append(client.vote(cur["assignment"], "tie").status_code)
+                def send(client: RaterClient, barrier: threading.Barrier, codes: list[int],
+                         assignment: str) -> None:
+                    barrier.wait(timeout=30)  # both copies leave together
+                    codes.append(client.vote(assignment, "tie").status_code)
 
-                twins = [threading.Thread(target=send, args=(c,)) for c in twin_clients]
+                twins = [threading.Thread(target=send, args=(c, barrier, codes, cur["assignment"]))
+                         for c in twin_clients]
                 [t.start() for t in twins]
                 [t.join(timeout=60) for t in twins]
                 if sorted(codes) != [200, 409]:
