@@ -100,6 +100,17 @@ def test_rater_sees_prompt_and_two_blind_videos_locked_until_played(study):
             page.wait_for_function("() => document.getElementById('banner').textContent"
                                    ".startsWith('Practice 2 of 2')")
             page_source = page.content()
+
+            # The admin view (password) shows the rater's progress and the results table.
+            admin = browser.new_context(http_credentials={"username": "admin",
+                                                          "password": server.admin_password})
+            admin_page = admin.new_page()
+            admin_page.goto(f"{server.url}/admin")
+            admin_page.wait_for_selector("#results table")
+            row = admin_page.locator("#raters tbody tr").first.inner_text()
+            assert row.startswith("rater-001") and token in row
+            assert admin_page.locator("#items tbody tr").count() > 0
+            assert "attnqat vs bf16" in admin_page.inner_text("#results")
         finally:
             browser.close()
     con = sqlite3.connect(study / "study.db")
