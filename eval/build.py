@@ -1,0 +1,128 @@
+"""``attnqat eval build``: make a blind study from generated clips (or sample a prompt list).
+
+Two uses:
+
+* ``attnqat eval build OUTPUTS… --out STUDY`` — items from ``attnqat generate`` folders (searched
+  recursively for ``record.json``) or CSV manifests (``prompt,seed,method,path``), opaque
+  re-encoded media, the database, rater invites (see :mod:`attnqat.eval.study`);
+* ``attnqat eval build --sample N --write-prompts FILE [--prompt-file LIST]`` — draw N prompts
+  reproducibly (``--seed``) from a prompt list (default: the project's ``assets/prompts.txt``) to
+  feed to generation.
+
+With inputs, ``--sample N`` keeps N prompts drawn from those the inputs have (restricted to
+``--prompt-file`` when it is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .media import MediaError
+from .sources import InputError, load_sources, methods_of, read_prompts, sample_prompts
+from .study import StudyConfig, build_study, parse_pairs
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="*", type=Path,
+                        help="folders written by `attnqat generate` (searched recursively for "
+                             "record.json) and/or CSV manifests with columns prompt,seed,method,path")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="new (or empty) folder for the study: media/, study.db, study.json, "
+                             "invites.csv")
+    parser.add_argument("--name", default=None, help="study name; if omitted, the --out folder's name")
+    parser.add_argument("--db", default=None,
+                        help="SQLAlchemy database URL (e.g. postgresql://user@host/db); if "
+                             "omitted, the SQLite file OUT/study.db in WAL mode")
+    parser.add_argument("--reference", default="bf16",
+                        help="reference method; without --pairs every other method is compared "
+                             "with it")
+    parser.add_argument("--pairs", default=None,
+                        help="comma-separated METHOD_A:METHOD_B pairs (A is the method under "
+                             "test; wins are A's), e.g. attnqat:bf16,nvfp4:bf16")
+    parser.add_argument("--ratings-per-item", type=int, default=3,
+                        help="ratings each main item should get (k); raters are given items that "
+                             "have fewer")
+    parser.add_argument("--items-per-rater", type=int, default=0,
+                        help="main items per rater queue (0: every item that still needs ratings)")
+    parser.add_argument("--check-fraction", type=float, default=0.1,
+                        help="check items as a share of main items (identical pairs expecting a "
+                             "tie, degraded pairs expecting the clean side); 0 disables")
+    parser.add_argument("--practice", type=int, default=2,
+                        help="practice items every rater does first (never counted)")
+    parser.add_argument("--equivalence-margin", type=float, default=0.1,
+                        help="declared TOST margin δ on the net preference Δ = win share − lose "
+                             "share: 'as good as' means −δ < Δ < δ")
+    parser.add_argument("--alpha", type=float, default=0.05,
+                        help="significance level of the equivalence test")
+    parser.add_argument("--min-check-accuracy", type=float, default=0.7,
+                        help="exclusion rule: raters below this check-item accuracy are excluded "
+                             "before the headline numbers")
+    parser.add_argument("--min-checks", type=int, default=1,
+                        help="exclusion rule: only raters with at least this many answered check "
+                             "items can be excluded")
+    parser.add_argument("--n-boot", type=int, default=2000,
+                        help="bootstrap resamples (of prompts) for the report's intervals")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for item sampling, check items, prompt sampling and the bootstrap")
+    parser.add_argument("--raters", type=int, default=0,
+                        help="rater invites to create now (more can be added in the admin view)")
+    parser.add_argument("--crf", type=int, default=18,
+                        help="x264 quality of the re-encoded clips (same for every clip)")
+    parser.add_argument("--prompt-file", type=Path, default=None,
+                        help="prompt list, one per line (e.g. VBench all_dimension.txt); if "
+                             "omitted, --write-prompts uses the project's assets/prompts.txt")
+    parser.add_argument("--sample", type=int, default=None,
+                        help="draw this many prompts reproducibly (with --seed)")
+    parser.add_argument("--write-prompts", type=Path, default=None,
+                        help="only write the --sample'd prompts to this file and exit")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _fail(message: str) -> int:
+    print(f"attnqat eval build: {message}", file=sys.stderr)
+    return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.write_prompts is not None:
+            if args.sample is None:
+                return _fail("--write-prompts needs --sample N")
+            chosen = sample_prompts(read_prompts(args.prompt_file), args.sample, args.seed)
+            args.write_prompts.write_text("\n".join(chosen) + "\n", encoding="utf-8")
+            print(f"wrote {len(chosen)} prompts to {args.write_prompts}")
+            return 0
+        if args.out is None:
+            return _fail("--out STUDY_FOLDER is required")
+        clips = load_sources(args.inputs)
+        if args.sample is not None:
+            prompts = list(dict.fromkeys(c.prompt for c in clips))
+            if args.prompt_file is not None:
+                allowed = set(read_prompts(args.prompt_file))
+                prompts = [p for p in prompts if p in allowed]
+            keep = set(sample_prompts(prompts, args.sample, args.seed))
+            clips = [c for c in clips if c.prompt in keep]
+        pairs = parse_pairs(args.pairs, methods_of(clips), args.reference)
+        config = StudyConfig(
+            name=args.name or args.out.resolve().name, pairs=pairs,
+            ratings_per_item=args.ratings_per_item, items_per_rater=args.items_per_rater,
+            check_fraction=args.check_fraction, practice_items=args.practice,
+            equivalence_margin=args.equivalence_margin, alpha=args.alpha,
+            min_check_accuracy=args.min_check_accuracy, min_checks=args.min_checks,
+            n_boot=args.n_boot, seed=args.seed)
+        result = build_study(clips, args.out, config, db_url=args.db, n_raters=args.raters,
+                             crf=args.crf, progress=not args.quiet)
+    except (InputError, MediaError) as exc:
+        return _fail(str(exc))
+    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(result.counts.items()))
+    print(f"study {result.name!r} in {result.out_dir}: {counts} items; {result.n_clips} clips "
+          f"of {result.clip_size} bytes each")
+    print(f"database: {result.db_url}")
+    if result.invites:
+        print(f"{len(result.invites)} rater invites in {result.out_dir / 'invites.csv'} "
+              "(links are /r/TOKEN on the rater app)")
+    else:
+        print("no rater invites yet: use --raters N, or create them in the admin view")
+    return 0

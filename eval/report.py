@@ -1,0 +1,252 @@
+"""``attnqat eval report``: the statistics, figure and exports of a study's votes.
+
+Writes into the output folder:
+
+* ``report.md`` and ``report.html`` — the same content: declared settings, raters and their check
+  accuracy, the exclusion applied, and per method pair the headline table (overall and per
+  criterion) with intervals, sign test, equivalence test, position bias and agreement;
+* ``wtl.png`` and ``wtl.svg`` — stacked win/tie/lose bars;
+* ``votes.csv`` and ``votes.json`` — every raw vote (practice and checks included, with their
+  kind, the displayed order and both clicked and resolved answers);
+* ``results.json`` — the full analysis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import html
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import plots
+from .results import QUESTIONS, VoteRecord, analyze, json_safe, load_votes
+from .storage import default_db_url, find_study, open_db
+from .study import StudyConfig
+
+
+# --------------------------------------------------------------------------------------------
+# A tiny document model rendered both to Markdown and to HTML
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class Block:
+    kind: str  # h1 h2 h3 p table img
+    text: str = ""
+    rows: Sequence[Sequence[str]] = ()
+
+
+def _md(blocks: Sequence[Block]) -> str:
+    out = []
+    for b in blocks:
+        if b.kind in ("h1", "h2", "h3"):
+            out.append("#" * int(b.kind[1]) + " " + b.text)
+        elif b.kind == "p":
+            out.append(b.text)
+        elif b.kind == "img":
+            out.append(f"![{b.text}]({b.text})")
+        elif b.kind == "table":
+            header, *body = b.rows
+            out.append("| " + " | ".join(header) + " |")
+            out.append("|" + "|".join("---" for _ in header) + "|")
+            out.extend("| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in body)
+        out.append("")
+    return "\n".join(out)
+
+
+def _html(blocks: Sequence[Block], title: str) -> str:
+    body = []
+    for b in blocks:
+        if b.kind in ("h1", "h2", "h3", "p"):
+            body.append(f"<{b.kind}>{html.escape(b.text)}</{b.kind}>")
+        elif b.kind == "img":
+            body.append(f'<img src="{html.escape(b.text)}" alt="win tie lose chart">')
+        elif b.kind == "table":
+            header, *rows = b.rows
+            head = "".join(f"<th>{html.escape(str(c))}</th>" for c in header)
+            trs = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>"
+                          for r in rows)
+            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{trs}</tbody></table>")
+    style = ("body{font-family:sans-serif;max-width:70em;margin:2em auto;padding:0 1em}"
+             "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;"
+             "padding:.2em .5em;text-align:right}td:first-child,th:first-child{text-align:left}"
+             "img{max-width:100%}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+
+
+def _ci(ci: Sequence[float]) -> str:
+    lo, hi = ci
+    if lo is None or math.isnan(lo):
+        return "–"
+    return f"[{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def _num(x: float | None, fmt: str = ".3f") -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def report_blocks(analysis: dict) -> list[Block]:
+    """The report's content (see the module docstring)."""
+    cfg = analysis["config"]
+    conf = cfg["confidence"]
+    b: list[Block] = [Block("h1", f"Blind study: {analysis['study']}")]
+    b.append(Block("p", (
+        f"Declared before the study: pairs {', '.join(f'{a} vs {b_}' for a, b_ in cfg['pairs'])}; "
+        f"{cfg['ratings_per_item']} rating(s) per item; equivalence margin δ = "
+        f"{cfg['equivalence_margin']} on the net preference Δ = win share − lose share "
+        f"(TOST on per-prompt means, α = {cfg['alpha']}); intervals {conf:.0%}, bootstrap "
+        f"{cfg['n_boot']} resamples of prompts (seed {cfg['seed']}). Win/lose are from method A's "
+        "view (A is the first method of each pair).")))
+    b.append(Block("p", f"Exclusion rule: {analysis['exclusion_rule']}. Excluded: "
+                        f"{', '.join(analysis['excluded_raters']) or 'none'}. Votes on main items: "
+                        f"{analysis['n_votes']['main']} ({analysis['n_votes']['main_after_exclusion']} "
+                        "after exclusion)."))
+    b.append(Block("h2", "Raters"))
+    rows = [["rater", "main votes", "check items", "check accuracy", "excluded"]]
+    for name, r in sorted(analysis["raters"].items()):
+        rows.append([name, str(r["main_votes"]), f"{r['checks_correct']}/{r['checks_answered']}",
+                     _pct(r["check_accuracy"]), "yes" if r["excluded"] else "no"])
+    b.append(Block("table", rows=rows))
+    b.append(Block("h2", "Results (after exclusion)"))
+    b.append(Block("img", "wtl.png"))
+    for pair, data in analysis["pairs"].items():
+        b.append(Block("h3", pair))
+        rows = [["question", "votes", "prompts", "win", "tie", "lose", "decisive win rate",
+                 "sign test p", "Δ", f"Δ bootstrap {conf:.0%}", "TOST p", "equivalent",
+                 "left share (decisive)", "position p", "α (ordinal)"]]
+        for q in QUESTIONS:
+            s = data["questions"][q]
+            sh, dec, eq, pos = s["shares"], s["decisive"], s["equivalence"], s["position_bias"]
+            rows.append([
+                q, str(s["n_votes"]), str(s["n_prompts"]),
+                f"{sh['win']['count']} ({_pct(sh['win']['share'])})",
+                f"{sh['tie']['count']} ({_pct(sh['tie']['share'])})",
+                f"{sh['lose']['count']} ({_pct(sh['lose']['share'])})",
+                f"{_pct(dec['win_rate'])} {_ci(dec['wilson'])}",
+                _num(dec["sign_test_p"], ".4f"),
+                _num(s["net_preference"]["estimate"], "+.3f"),
+                _ci(s["net_preference"]["bootstrap"]),
+                _num(eq["p"], ".4f"), "yes" if eq["equivalent"] else "no",
+                _pct(pos["left_share"]), _num(pos["p"], ".4f"),
+                _num(s["krippendorff_alpha_ordinal"]),
+            ])
+        b.append(Block("table", rows=rows))
+        rows = [["question", "outcome", "share", f"Wilson {conf:.0%}", f"prompt bootstrap {conf:.0%}"]]
+        for q in QUESTIONS:
+            for o, v in data["questions"][q]["shares"].items():
+                rows.append([q, o, _pct(v["share"]), _ci(v["wilson"]), _ci(v["bootstrap"])])
+        b.append(Block("table", rows=rows))
+        before = data["before_exclusion"]["overall"]
+        b.append(Block("p", f"Before exclusion (overall): {before['win']} win / {before['tie']} "
+                            f"tie / {before['lose']} lose."))
+    b.append(Block("p", (
+        "Reading the table: the sign test asks whether one method is preferred (ties dropped); a "
+        "large p is not evidence of equality. 'equivalent' means both one-sided tests reject "
+        "|Δ| ≥ δ, i.e. the 90% interval of the per-prompt mean Δ lies inside (−δ, δ). The "
+        "position test checks that left and right were picked equally often among decisive votes.")))
+    return b
+
+
+# --------------------------------------------------------------------------------------------
+# Exports and the command
+# --------------------------------------------------------------------------------------------
+
+def export_votes(votes: Sequence[VoteRecord], out_dir: Path) -> tuple[Path, Path]:
+    """``votes.csv`` and ``votes.json``: one flat row per vote."""
+    rows = [v.flat() for v in votes]
+    csv_path, json_path = out_dir / "votes.csv", out_dir / "votes.json"
+    fields = list(rows[0]) if rows else list(VoteRecord.__dataclass_fields__)
+    with open(csv_path, "w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path.write_text(json.dumps(rows, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return csv_path, json_path
+
+
+def write_report(analysis: dict, votes: Sequence[VoteRecord], out_dir: str | Path) -> dict[str, Path]:
+    """Write every output of the report into ``out_dir``; returns them by name."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    png, svg = plots.plot_wtl(plots.wtl_rows(analysis), out_dir / "wtl",
+                              title=f"{analysis['study']}: win / tie / lose")
+    blocks = report_blocks(analysis)
+    md = out_dir / "report.md"
+    md.write_text(_md(blocks), encoding="utf-8")
+    page = out_dir / "report.html"
+    page.write_text(_html(blocks, f"Blind study: {analysis['study']}"), encoding="utf-8")
+    csv_path, json_path = export_votes(votes, out_dir)
+    results = out_dir / "results.json"
+    results.write_text(json.dumps(json_safe(analysis), indent=1, ensure_ascii=False) + "\n",
+                       encoding="utf-8")
+    return {"png": png, "svg": svg, "markdown": md, "html": page, "csv": csv_path,
+            "json": json_path, "results": results}
+
+
+def load_analysis(db_url: str, name: str | None = None, n_boot: int | None = None
+                  ) -> tuple[dict, list[VoteRecord]]:
+    """Votes and analysis of the study ``name`` (or the only one) in the database at ``db_url``."""
+    engine, Session = open_db(db_url)
+    try:
+        with Session() as session:
+            study = find_study(session, name)
+            config = StudyConfig.from_dict(study.config)
+            if n_boot is not None:
+                config.n_boot = n_boot
+            votes = load_votes(session, study.id)
+    finally:
+        engine.dispose()
+    return analyze(votes, config), votes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--study", type=Path, default=None,
+                        help="study folder made by `attnqat eval build` (its study.db is read "
+                             "unless --db is given)")
+    parser.add_argument("--db", default=None,
+                        help="SQLAlchemy database URL of the study (e.g. postgresql://…); if "
+                             "omitted, sqlite:///STUDY/study.db")
+    parser.add_argument("--name", default=None,
+                        help="study name, needed only when the database holds several studies")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder; if omitted, STUDY/report (./report with --db only)")
+    parser.add_argument("--n-boot", type=int, default=None,
+                        help="bootstrap resamples of prompts; if omitted, the study's declared value")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.study is None and args.db is None:
+        print("attnqat eval report: give --study DIR or --db URL", file=sys.stderr)
+        return 2
+    if args.study is not None and args.db is None and not (args.study / "study.db").is_file():
+        print(f"attnqat eval report: {args.study} has no study.db (is it a study folder?)",
+              file=sys.stderr)
+        return 2
+    db_url = args.db or default_db_url(args.study)
+    try:
+        analysis, votes = load_analysis(db_url, args.name, args.n_boot)
+    except LookupError as exc:
+        print(f"attnqat eval report: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or ((args.study / "report") if args.study is not None else Path("report"))
+    paths = write_report(analysis, votes, out)
+    n = analysis["n_votes"]
+    print(f"{n['all']} votes ({n['main']} on main items, {n['main_after_exclusion']} after "
+          f"excluding {len(analysis['excluded_raters'])} rater(s))")
+    for pair, data in analysis["pairs"].items():
+        c = data["questions"]["overall"]["counts"]
+        eq = data["questions"]["overall"]["equivalence"]
+        print(f"  {pair}: {c['win']} win / {c['tie']} tie / {c['lose']} lose; "
+              f"equivalent within ±{eq['margin']}: {'yes' if eq['equivalent'] else 'no'} "
+              f"(TOST p={_num(eq['p'], '.4f')})")
+    print(f"report: {paths['markdown']}  figure: {paths['png']}")
+    return 0

@@ -1,0 +1,137 @@
+"""``attnqat eval report``: analysis of known votes, exclusion, figure and exports."""
+
+from __future__ import annotations
+
+import csv
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+from sqlalchemy import select
+
+from attnqat.cli import main as cli_main
+from attnqat.eval import rating, sources
+from attnqat.eval.demo import write_demo_outputs
+from attnqat.eval.storage import Item, default_db_url, open_db
+from attnqat.eval.study import StudyConfig, build_study
+
+PAIRS = [("attnqat", "bf16"), ("nvfp4", "bf16")]
+
+
+def side_for(answer: str, a_on_left: bool) -> str:
+    """The click that means ``answer`` (a / b / tie) given the displayed order."""
+    if answer == "tie":
+        return "tie"
+    return "left" if (answer == "a") == a_on_left else "right"
+
+
+def intended(rater: str, item: Item) -> str:
+    """What each simulated rater answers (a / b / tie), deterministic per rater and item."""
+    if item.kind.startswith("check"):
+        if rater == "rater-003":  # rater 3 fails every check
+            return {"tie": "a", "a": "b", "b": "a"}[item.expected]
+        return item.expected
+    if item.kind == "practice":
+        return "tie"
+    return ("a", "tie", "b", "tie", "a")[(item.id + int(rater[-1])) % 5]
+
+
+@pytest.fixture(scope="module")
+def voted_study(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    write_demo_outputs(root / "runs", sources.read_prompts()[:6], methods=("bf16", "attnqat", "nvfp4"))
+    config = StudyConfig(name="report-test", pairs=PAIRS, ratings_per_item=3, n_boot=300,
+                         equivalence_margin=0.2)
+    build_study(sources.load_sources([root / "runs"]), root / "study", config, n_raters=3,
+                progress=False)
+    _, Session = open_db(default_db_url(root / "study"))
+    expected = []  # (rater, kind, method_a, method_b, prompt, answer, clicked)
+    with Session() as s:
+        from attnqat.eval.storage import Rater
+        raters = [(r.label, r.token) for r in s.scalars(select(Rater).order_by(Rater.id))]
+    for label, token in raters:
+        rating.start(Session, 1, token, seed=len(label))
+        while True:
+            with Session.begin() as s:
+                rater = rating.get_rater(s, 1, token)
+                a = rating.current(s, rater)
+                if a is None:
+                    break
+                answer = intended(label, a.item)
+                click = side_for(answer, a.a_on_left)
+                crit = {"visual_quality": click, "motion": "tie",
+                        "text_alignment": "left"}
+                rating.record_vote(s, rater, a.token, click, crit)
+                expected.append((label, a.item.kind, a.item.method_a, a.item.method_b,
+                                 a.item.prompt, answer, click, a.a_on_left))
+    return root / "study", expected
+
+
+def test_report_reproduces_known_votes(voted_study, capsys):
+    study, expected = voted_study
+    assert cli_main(["eval", "report", "--study", str(study)]) == 0
+    printed = capsys.readouterr().out
+    out = study / "report"
+    results = json.loads((out / "results.json").read_text())
+    assert results["excluded_raters"] == ["rater-003"]
+    assert results["raters"]["rater-003"]["check_accuracy"] == 0.0
+    assert results["raters"]["rater-001"]["check_accuracy"] == 1.0
+    word = {"a": "win", "tie": "tie", "b": "lose"}
+    for a, b in PAIRS:
+        pair = results["pairs"][f"{a} vs {b}"]
+        mine = [e for e in expected if e[1] == "main" and (e[2], e[3]) == (a, b)]
+        kept = [e for e in mine if e[0] != "rater-003"]
+        overall = pair["questions"]["overall"]
+        assert overall["counts"] == {w: sum(word[e[5]] == w for e in kept)
+                                     for w in ("win", "tie", "lose")}
+        assert pair["before_exclusion"]["overall"] == {w: sum(word[e[5]] == w for e in mine)
+                                                       for w in ("win", "tie", "lose")}
+        assert overall["n_prompts"] == len({e[4] for e in kept})
+        assert overall["position_bias"]["left"] == sum(e[6] == "left" for e in kept)
+        # Per criterion: "motion" was always answered "about the same".
+        assert pair["questions"]["motion"]["counts"] == {"win": 0, "tie": len(kept), "lose": 0}
+        # "text_alignment" was always "left": A wins exactly where A was on the left.
+        ta = pair["questions"]["text_alignment"]["counts"]
+        assert ta["win"] == sum(e[7] for e in kept) and ta["tie"] == 0
+        assert f"{a} vs {b}: {overall['counts']['win']} win" in printed
+    md = (out / "report.md").read_text()
+    assert "### attnqat vs bf16" in md and "rater-003 | 0 |" not in md
+    assert "Excluded: rater-003" in md
+
+
+def test_exports_hold_every_raw_vote(voted_study):
+    study, expected = voted_study
+    out = study / "report"
+    if not (out / "votes.csv").exists():
+        assert cli_main(["eval", "report", "--study", str(study)]) == 0
+    rows = list(csv.DictReader(open(out / "votes.csv", encoding="utf-8")))
+    data = json.loads((out / "votes.json").read_text())
+    assert len(rows) == len(data) == len(expected)
+    got = sorted((r["rater"], r["kind"], r["overall"], r["overall_clicked"]) for r in rows)
+    assert got == sorted((e[0], e[1], e[5], e[6]) for e in expected)
+    for r in rows:  # the displayed order is kept and consistent with the resolved answer
+        left_is_a = r["left_is_a"] == "True"
+        assert r["left_method"].split(" ")[0] == (r["method_a"] if left_is_a else r["method_b"])
+        assert r["shown_at"] <= r["voted_at"]
+    assert {"visual_quality", "motion", "text_alignment", "motion_clicked"} <= set(rows[0])
+
+
+def test_figure_and_html_are_written(voted_study):
+    study, _ = voted_study
+    out = study / "report"
+    if not (out / "wtl.png").exists():
+        assert cli_main(["eval", "report", "--study", str(study)]) == 0
+    assert (out / "wtl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = ET.parse(out / "wtl.svg").getroot()
+    assert svg.tag.endswith("svg")
+    text = (out / "wtl.svg").read_text()
+    assert "attnqat vs bf16" in text and "nvfp4 vs bf16" in text
+    html = (out / "report.html").read_text()
+    assert html.startswith("<!doctype html>") and "<table>" in html and 'src="wtl.png"' in html
+
+
+def test_report_errors_are_clear(tmp_path, capsys):
+    assert cli_main(["eval", "report"]) == 2
+    assert "--study" in capsys.readouterr().err
+    assert cli_main(["eval", "report", "--study", str(tmp_path)]) == 2
+    assert "no study.db" in capsys.readouterr().err
