@@ -554,8 +554,8 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
         guidance=guidance, shift=shift, height=height, width=width, frames=frames, fps=fps,
         model=model if models is None else models.info.source, qat_transformer=qat_transformer,
         device=device if models is None else str(models.device), fp4_scope=fp4_scope,
-        backend=backend, offload=offload, out=out, overwrite=overwrite,
-        info=None if models is None else models.info,
+        backend=backend, offload=offload if models is None else models.offload, out=out,
+        overwrite=overwrite, info=None if models is None else models.info,
         loaded_qat=(None if models is None or models.qat_info is None else models.qat_info["path"]))
     if models is None:
         t0 = time.perf_counter()

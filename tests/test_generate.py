@@ -216,3 +216,13 @@ def test_existing_output_folder(tmp_path, models):
     gen.generate(PROMPT, methods="bf16", models=models, progress=False, out=out, overwrite=True, **SMALL)
     # the earlier run's nvfp4 clip is gone, the user's own file stays
     assert sorted(p.name for p in out.iterdir()) == ["bf16.mp4", "keep.txt", "record.json", "side_by_side.mp4"]
+
+
+def test_offload_path_gives_the_same_clips(models):
+    offloaded = wan.load_models(qat_transformer="auto", device="cpu", offload=True)
+    assert offloaded.offload
+    a = gen.generate(PROMPT, models=models, progress=False, methods="bf16,attnqat", **SMALL)
+    b = gen.generate(PROMPT, models=offloaded, progress=False, methods="bf16,attnqat", **SMALL)
+    for m in ("bf16", "attnqat"):
+        assert np.array_equal(a.videos[m], b.videos[m])
+    assert b.record["settings"]["offload"] is True and a.record["settings"]["offload"] is False
