@@ -37,6 +37,7 @@ from .attention import BACKENDS, METHODS, attention
 from .tiny import SIDECAR, TINY_MODEL_DIR
 
 FP4_SCOPES = ("self", "all")
+_MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept before they are summed (one sync per 4096 calls)
 DEFAULT_MODEL = str(TINY_MODEL_DIR)
 
 #: Generation defaults of the real Wan 2.1 text-to-video models (480p; shift 5 at 720p and above).
@@ -115,14 +116,18 @@ class AttnQATProcessor:
             return self.method
         return "bf16"
 
+    def _fold_events(self) -> None:
+        """Turn the recorded CUDA event pairs into seconds (one synchronization) and drop them."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._cpu_seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+            self._events.clear()
+
     def attention_seconds(self) -> float:
         """Seconds spent inside attention calls since the last :meth:`reset_stats` (synchronizes
         CUDA when GPU events were recorded)."""
-        total = self._cpu_seconds
-        if self._events:
-            self._events[-1][1].synchronize()
-            total += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
-        return total
+        self._fold_events()
+        return self._cpu_seconds
 
     def stats(self) -> dict[str, Any]:
         """Counts and time: ``{"calls": {"self", "cross"}, "calls_by_method": {...},
@@ -144,6 +149,8 @@ class AttnQATProcessor:
             out = attention(q, k, v, method=method, backend=self.backend)
             end.record()
             self._events.append((start, end))
+            if len(self._events) >= _MAX_PENDING_EVENTS:  # long runs (training): bounded memory
+                self._fold_events()
             return out
         t0 = time.perf_counter()
         out = attention(q, k, v, method=method, backend=self.backend)
