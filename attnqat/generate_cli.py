@@ -1,0 +1,110 @@
+"""``attnqat generate``: one clip per attention method, a labelled side-by-side and a JSON record.
+
+See :mod:`attnqat.generate` for what each method runs and ``docs/generate.md`` for the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from .generate import GENERATION_METHODS
+
+
+def _default_out() -> str:
+    return str(Path("outputs") / f"generate-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``attnqat generate`` (their defaults marked None come from the loaded model)."""
+    parser.add_argument("--prompt", required=True, help="text prompt")
+    parser.add_argument("--negative-prompt", default="", help="negative prompt (classifier-free guidance)")
+    parser.add_argument("--methods", default=",".join(GENERATION_METHODS),
+                        help="comma-separated methods: bf16 (reference), nvfp4 (4-bit attention on "
+                             "the base model), sage3 (SageAttention3's recipe), attnqat (the Attn-QAT "
+                             "transformer with NVFP4 attention)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise, shared by all methods")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="denoising steps (None: the model's default; tiny 20, Wan 50)")
+    parser.add_argument("--guidance", type=float, default=None,
+                        help="classifier-free guidance scale; ≤ 1 disables it (None: the model's "
+                             "default, 5)")
+    parser.add_argument("--shift", type=float, default=None,
+                        help="flow shift of the UniPC scheduler (None: the model's default; Wan: 3 "
+                             "below 720p, 5 at 720p)")
+    parser.add_argument("--height", type=int, default=None,
+                        help="frame height, a multiple of 16 (None: the model's default; tiny 128, Wan 480)")
+    parser.add_argument("--width", type=int, default=None,
+                        help="frame width, a multiple of 16 (None: the model's default; tiny 128, Wan 832)")
+    parser.add_argument("--frames", type=int, default=None,
+                        help="frames per clip, 4k+1 (None: the model's default; tiny 33, Wan 81)")
+    parser.add_argument("--fps", type=float, default=None,
+                        help="frame rate of the mp4 files (None: the model's default, 16)")
+    parser.add_argument("--model", default=None,
+                        help="Wan 2.1 text-to-video pipeline in diffusers format: a local folder "
+                             "(works offline) or a hub id (None: the embedded tiny model)")
+    parser.add_argument("--qat-transformer", default=None,
+                        help="Attn-QAT transformer for the attnqat method: a diffusers transformer "
+                             "folder or one .safetensors file (diffusers, FastVideo or original Wan "
+                             "names). None: the one the model folder names (the tiny model has one)")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    parser.add_argument("--out", default=None,
+                        help="output folder (None: outputs/generate-<date>-<time>); written only "
+                             "when everything succeeded")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="allow a non-empty --out; the files generate writes are replaced")
+    parser.add_argument("--fp4-scope", choices=("self", "all"), default="self",
+                        help="self: 4-bit self-attention, cross-attention in BF16 (the published "
+                             "recipe); all: cross-attention 4-bit too")
+    parser.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
+                        help="attention implementation: Triton kernels on CUDA where they apply "
+                             "(auto), the PyTorch reference (torch), or kernels only (triton)")
+    parser.add_argument("--offload", action="store_true",
+                        help="keep models on the CPU and move each to the GPU only while it runs "
+                             "(for GPUs with little memory)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate, load, generate, write; print a summary. Returns the exit code."""
+    from .convert import CheckpointError
+    from .generate import GenerationError, generate
+    from .wan import DEFAULT_MODEL, ModelLoadError
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        result = generate(
+            args.prompt, negative_prompt=args.negative_prompt, methods=args.methods, seed=args.seed,
+            steps=args.steps, guidance=args.guidance, shift=args.shift, height=args.height,
+            width=args.width, frames=args.frames, fps=args.fps, model=args.model or DEFAULT_MODEL,
+            qat_transformer=args.qat_transformer, device=args.device,
+            out=args.out or _default_out(), fp4_scope=args.fp4_scope, backend=args.backend,
+            offload=args.offload, overwrite=args.overwrite, progress=not args.no_progress, log=log)
+    except (GenerationError, ModelLoadError, CheckpointError) as exc:
+        print(f"attnqat generate: error: {exc}", file=sys.stderr)
+        return 2
+    rec = result.record
+    s = rec["settings"]
+    print(f"{s['width']}x{s['height']}, {s['frames']} frames at {s['fps']:g} fps, {s['steps']} steps, "
+          f"guidance {s['guidance']:g}, shift {s['shift']:g}, seed {rec['seed']}, device {s['device']}")
+    if rec.get("model_weights_note"):
+        print(f"model: {rec['model_weights_note']}")
+    print(f"text encoding: {rec['text_encoding_s']:.2f} s (once, shared by all methods)")
+    print(f"{'method':>8} {'denoise s':>10} {'attention s':>12} {'decode s':>9} {'PSNR dB':>8} {'SSIM':>7}")
+    for m, d in rec["methods"].items():
+        t = d["timings"]
+        if d["psnr"] is not None:
+            ps = f"{d['psnr']:.2f}"
+        else:
+            ps = "=bf16" if d.get("identical_to_bf16") else "-"
+        ss = f"{d['ssim']:.4f}" if d["ssim"] is not None else "-"
+        att = f"{t['attention_s']:.2f}" if t["attention_s"] is not None else "-"
+        print(f"{m:>8} {t['denoising_s']:>10.2f} {att:>12} {t['decoding_s']:>9.2f} {ps:>8} {ss:>7}")
+    if rec.get("qat_weights_note"):
+        print(f"note: {rec['qat_weights_note']}")
+    print(f"wrote {result.out}")
+    return 0

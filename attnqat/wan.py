@@ -1,0 +1,568 @@
+"""Wan 2.1 in diffusers with the project's attention methods.
+
+Two jobs:
+
+1. **Attention routing.** :class:`AttnQATProcessor` is a diffusers attention processor for
+   :class:`~diffusers.WanTransformer3DModel`. Installed through the public
+   ``transformer.set_attn_processor`` (:func:`install_attention`), it computes Q, K, V exactly as
+   diffusers' ``WanAttnProcessor`` does (projections, RMSNorm, RoPE) and sends the attention itself to
+   :func:`attnqat.attention` with the method it holds. Self-attention gets the processor's method;
+   cross-attention (text keys) gets it too only when ``fp4_scope == "all"`` and plain ``bf16``
+   attention otherwise (the published Attn-QAT recipe quantizes self-attention only). The method lives
+   on the processor object of that one transformer: :func:`set_method` changes it in place, without
+   reloading weights, and no module-level state is involved. The processor counts its calls and the
+   time spent inside them (CUDA events on the GPU, ``perf_counter`` on the CPU).
+
+2. **Loading.** :func:`load_models` loads a Wan 2.1 text-to-video pipeline in diffusers format from a
+   local folder (offline) or a hub id, with the transformer and text encoder in BF16 and the VAE in
+   FP32, and optionally a second, Attn-QAT transformer that shares the text encoder, VAE and
+   scheduler (:func:`attnqat.convert.load_wan_transformer`: any of the three naming schemes, checked).
+   :func:`model_info` reads a model's generation defaults without loading any weights, so inputs can be
+   validated first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .attention import BACKENDS, METHODS, attention
+from .tiny import SIDECAR, TINY_MODEL_DIR
+
+FP4_SCOPES = ("self", "all")
+_MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept before they are summed (one sync per 4096 calls)
+DEFAULT_MODEL = str(TINY_MODEL_DIR)
+
+#: Generation defaults of the real Wan 2.1 text-to-video models (480p; shift 5 at 720p and above).
+WAN_DEFAULTS: dict[str, Any] = {"height": 480, "width": 832, "frames": 81, "fps": 16, "steps": 50,
+                                "guidance": 5.0, "shift": None}
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be found or loaded; the message says which and why."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention routing
+# ----------------------------------------------------------------------------------------------
+
+def _apply_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's rotary embedding on (B, S, H, D), interleaved pairs; same arithmetic as diffusers."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown attention method {method!r}; expected one of {', '.join(METHODS)}")
+
+
+def _check_scope(scope: str) -> None:
+    if scope not in FP4_SCOPES:
+        raise ValueError(f"unknown fp4 scope {scope!r}; expected 'self' (self-attention only, "
+                         "cross-attention in bf16) or 'all'")
+
+
+class AttnQATProcessor:
+    """Attention processor for ``WanAttention`` that calls :func:`attnqat.attention`.
+
+    One instance serves every attention module of a transformer (installed by
+    :func:`install_attention`). Attributes ``method``, ``fp4_scope`` and ``backend`` may be changed
+    at any time (:func:`set_method`); the next call uses them.
+
+    Args:
+        method: attention method for self-attention (one of :data:`attnqat.METHODS`).
+        fp4_scope: ``"self"`` — cross-attention runs ``bf16``; ``"all"`` — cross-attention runs
+            ``method`` too.
+        backend: passed to :func:`attnqat.attention` (``auto`` | ``torch`` | ``triton``).
+        timing: measure the time spent inside the attention calls.
+    """
+
+    def __init__(self, method: str = "bf16", fp4_scope: str = "self", backend: str = "auto",
+                 timing: bool = True) -> None:
+        _check_method(method)
+        _check_scope(fp4_scope)
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        self.method = method
+        self.fp4_scope = fp4_scope
+        self.backend = backend
+        self.timing = timing
+        self.reset_stats()
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Forget the call counts and timings gathered so far."""
+        self.calls: dict[str, int] = {"self": 0, "cross": 0}
+        self.calls_by_method: dict[str, int] = {}
+        self._cpu_seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def method_for(self, kind: str) -> str:
+        """The attention method a call of ``kind`` (``"self"`` or ``"cross"``) runs now."""
+        if kind == "self" or self.fp4_scope == "all":
+            return self.method
+        return "bf16"
+
+    def _fold_events(self) -> None:
+        """Turn the recorded CUDA event pairs into seconds (one synchronization) and drop them."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._cpu_seconds += sum(a.elapsed_time(b) for a, b in self._events) / 1000.0
+            self._events.clear()
+
+    def attention_seconds(self) -> float:
+        """Seconds spent inside attention calls since the last :meth:`reset_stats` (synchronizes
+        CUDA when GPU events were recorded)."""
+        self._fold_events()
+        return self._cpu_seconds
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and time: ``{"calls": {"self", "cross"}, "calls_by_method": {...},
+        "attention_s": float | None}`` (``None`` when timing is off)."""
+        return {"calls": dict(self.calls), "calls_by_method": dict(self.calls_by_method),
+                "attention_s": self.attention_seconds() if self.timing else None}
+
+    # -- the processor ------------------------------------------------------------------------
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str) -> torch.Tensor:
+        method = self.method_for(kind)
+        self.calls[kind] += 1
+        key = f"{kind}:{method}"
+        self.calls_by_method[key] = self.calls_by_method.get(key, 0) + 1
+        if not self.timing:
+            return attention(q, k, v, method=method, backend=self.backend)
+        if q.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = attention(q, k, v, method=method, backend=self.backend)
+            end.record()
+            self._events.append((start, end))
+            if len(self._events) >= _MAX_PENDING_EVENTS:  # long runs (training): bounded memory
+                self._fold_events()
+            return out
+        t0 = time.perf_counter()
+        out = attention(q, k, v, method=method, backend=self.backend)
+        self._cpu_seconds += time.perf_counter() - t0
+        return out
+
+    def __call__(self, attn, hidden_states: torch.Tensor,
+                 encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None,
+                 rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 **kwargs: Any) -> torch.Tensor:
+        if attention_mask is not None:
+            raise NotImplementedError("AttnQATProcessor does not take an attention mask (Wan 2.1 "
+                                      "text-to-video passes none)")
+        if getattr(attn, "add_k_proj", None) is not None:
+            raise NotImplementedError("image-conditioned Wan models (added K/V projections) are not "
+                                      "supported; use a text-to-video checkpoint")
+        kind = "self" if encoder_hidden_states is None else "cross"
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        if getattr(attn, "fused_projections", False):
+            if kind == "self":
+                query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+            else:
+                query = attn.to_q(hidden_states)
+                key, value = attn.to_kv(context).chunk(2, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _apply_rotary(query, *rotary_emb)
+            key = _apply_rotary(key, *rotary_emb)
+
+        out = self._attend(query, key, value, kind)  # (B, S, H, D)
+        out = out.flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+    def __repr__(self) -> str:
+        return (f"AttnQATProcessor(method={self.method!r}, fp4_scope={self.fp4_scope!r}, "
+                f"backend={self.backend!r})")
+
+
+def get_processor(transformer: torch.nn.Module) -> AttnQATProcessor | None:
+    """The :class:`AttnQATProcessor` installed on ``transformer``, or None."""
+    procs = list(transformer.attn_processors.values())
+    if procs and all(isinstance(p, AttnQATProcessor) for p in procs):
+        first = procs[0]
+        if all(p is first for p in procs):
+            return first
+    return None
+
+
+def install_attention(transformer: torch.nn.Module, method: str = "bf16", *,
+                      fp4_scope: str = "self", backend: str = "auto",
+                      timing: bool = True) -> AttnQATProcessor:
+    """Install one :class:`AttnQATProcessor` on every attention module of a Wan transformer.
+
+    Uses the public ``set_attn_processor`` (works with autograd and gradient checkpointing). Returns
+    the processor; change its method with :func:`set_method`.
+    """
+    if not hasattr(transformer, "set_attn_processor"):
+        raise TypeError(f"expected a diffusers WanTransformer3DModel, got {type(transformer).__name__}")
+    proc = AttnQATProcessor(method, fp4_scope, backend, timing)
+    transformer.set_attn_processor(proc)
+    return proc
+
+
+def set_method(transformer: torch.nn.Module, method: str, *, fp4_scope: str | None = None,
+               backend: str | None = None) -> AttnQATProcessor:
+    """Route ``transformer``'s attention to ``method`` (installing the processor on first use).
+
+    Cheap: only the processor's attributes change. ``fp4_scope``/``backend`` left as None keep
+    their current values (``"self"``/``"auto"`` on first install).
+    """
+    _check_method(method)
+    if fp4_scope is not None:
+        _check_scope(fp4_scope)
+    proc = get_processor(transformer)
+    if proc is None:
+        return install_attention(transformer, method, fp4_scope=fp4_scope or "self",
+                                 backend=backend or "auto")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    proc.method = method
+    if fp4_scope is not None:
+        proc.fp4_scope = fp4_scope
+    if backend is not None:
+        proc.backend = backend
+    return proc
+
+
+def uninstall_attention(transformer: torch.nn.Module) -> None:
+    """Put diffusers' own ``WanAttnProcessor`` back on every attention module."""
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    transformer.set_attn_processor(WanAttnProcessor())
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices
+# ----------------------------------------------------------------------------------------------
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` → ``cuda`` if available else ``cpu``; ``cuda[:N]`` checked to exist."""
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {name!r}; expected auto, cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
+                   else "no CUDA GPU is visible")
+            raise ValueError(f"device {name!r} requested but CUDA is not available on this machine "
+                             f"({why}); use --device cpu or --device auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {name!r} requested but only {torch.cuda.device_count()} CUDA "
+                             "device(s) are visible")
+    elif dev.type != "cpu":
+        raise ValueError(f"unsupported device {name!r}; expected auto, cpu, cuda or cuda:N")
+    return dev
+
+
+# ----------------------------------------------------------------------------------------------
+# Model information (no weights loaded)
+# ----------------------------------------------------------------------------------------------
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass
+class ModelInfo:
+    """What is known about a model before loading it.
+
+    Attributes:
+        source: the ``--model`` value as given.
+        path: the local folder, or None for a hub id.
+        kind: ``"tiny-wan"`` for the embedded model (or one built like it), else ``"wan"``.
+        defaults: generation defaults (height, width, frames, fps, steps, guidance, shift; shift
+            None means "3 below 720p, 5 at 720p and above").
+        qat_transformer: the Attn-QAT transformer the model folder names in its sidecar, if any.
+        weights_note: the sidecar's note on the weights, if any.
+    """
+
+    source: str
+    path: Path | None
+    kind: str
+    defaults: dict[str, Any]
+    qat_transformer: Path | None = None
+    weights_note: str | None = None
+    sidecar: dict[str, Any] = field(default_factory=dict)
+
+
+def model_info(model: str | Path = DEFAULT_MODEL) -> ModelInfo:
+    """Locate ``model`` (a local diffusers folder or a hub id) and read its defaults, without
+    loading any weights.
+
+    Raises:
+        ModelLoadError: the folder does not exist (and the name is not a hub id), or is not a
+            diffusers Wan text-to-video pipeline folder.
+    """
+    source = str(model)
+    path = Path(source).expanduser()
+    if not path.exists():
+        looks_local = (source.startswith((".", "/", "~")) or source.count("/") != 1
+                       or not _HUB_ID.match(source))
+        if looks_local:
+            raise ModelLoadError(f"model folder not found: {source} (expected a diffusers Wan 2.1 "
+                                 "pipeline folder with a model_index.json, or a hub id such as "
+                                 "Wan-AI/Wan2.1-T2V-1.3B-Diffusers)")
+        return ModelInfo(source=source, path=None, kind="wan", defaults=dict(WAN_DEFAULTS))
+    if not path.is_dir():
+        raise ModelLoadError(f"--model must be a folder in diffusers format, got a file: {source}")
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ModelLoadError(f"{source} is not a diffusers pipeline folder: model_index.json is missing")
+    try:
+        cls = json.loads(index.read_text()).get("_class_name")
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {index}: {exc}") from exc
+    if cls != "WanPipeline":
+        raise ModelLoadError(f"{source} holds a {cls!r}, expected a Wan text-to-video 'WanPipeline'")
+    sidecar: dict[str, Any] = {}
+    if (path / SIDECAR).is_file():
+        try:
+            sidecar = json.loads((path / SIDECAR).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(f"cannot read {path / SIDECAR}: {exc}") from exc
+    defaults = dict(WAN_DEFAULTS)
+    defaults.update(sidecar.get("defaults", {}))
+    qat = sidecar.get("qat_transformer")
+    return ModelInfo(source=source, path=path.resolve(), kind=sidecar.get("kind", "wan"),
+                     defaults=defaults,
+                     qat_transformer=(path / qat).resolve() if qat else None,
+                     weights_note=sidecar.get("weights_note"), sidecar=sidecar)
+
+
+def default_shift(height: int, width: int) -> float:
+    """Wan 2.1's flow shift: 3 below 720p, 5 at 720p and above."""
+    return 5.0 if min(height, width) >= 720 else 3.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+def _dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Recent diffusers name the ``from_pretrained`` argument ``dtype`` (``torch_dtype`` is
+    deprecated); older releases only know ``torch_dtype``."""
+    try:
+        from diffusers.utils.deprecation_utils import _resolve_dtype  # noqa: F401
+    except ImportError:
+        return {"torch_dtype": dtype}
+    return {"dtype": dtype}
+
+
+def _hf_dtype_kwarg(dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """transformers ≥ 4.56 takes ``dtype``; older releases ``torch_dtype``."""
+    import transformers
+    from packaging.version import Version
+
+    new = Version(transformers.__version__).release >= (4, 56)
+    return {"dtype": dtype} if new else {"torch_dtype": dtype}
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """Silence diffusers' and transformers' loading progress bars and info logs."""
+    from diffusers.utils import logging as dlog
+    from transformers.utils import logging as tlog
+
+    dv, tv = dlog.get_verbosity(), tlog.get_verbosity()
+    dbar, tbar = dlog.is_progress_bar_enabled(), tlog.is_progress_bar_enabled()
+    dlog.set_verbosity_error()
+    tlog.set_verbosity_error()
+    dlog.disable_progress_bar()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        dlog.set_verbosity(dv)
+        tlog.set_verbosity(tv)
+        if dbar:
+            dlog.enable_progress_bar()
+        if tbar:
+            tlog.enable_progress_bar()
+
+
+@dataclass
+class WanModels:
+    """A loaded Wan pipeline plus, optionally, its Attn-QAT transformer.
+
+    ``pipe`` is a diffusers :class:`~diffusers.WanPipeline`; ``qat_transformer`` shares its text
+    encoder, VAE and scheduler. With ``offload`` the components stay on the CPU and
+    :meth:`on_device` moves each to ``device`` only while it is used.
+    """
+
+    pipe: Any
+    device: torch.device
+    info: ModelInfo
+    qat_transformer: Any = None
+    qat_info: dict[str, Any] | None = None
+    offload: bool = False
+
+    @contextlib.contextmanager
+    def on_device(self, module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """Context in which ``module`` is on :attr:`device` (a no-op unless offloading)."""
+        if not self.offload:
+            yield module
+            return
+        module.to(self.device)
+        try:
+            yield module
+        finally:
+            module.to("cpu")
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    def transformer_for(self, slot: str):
+        """The transformer a generation slot runs: the Attn-QAT one for ``attnqat``, else the base."""
+        if slot == "attnqat":
+            if self.qat_transformer is None:
+                raise ValueError("method 'attnqat' needs an Attn-QAT transformer (--qat-transformer)")
+            return self.qat_transformer
+        return self.pipe.transformer
+
+
+def load_pipeline(model: str | Path = DEFAULT_MODEL, *, device: str | torch.device = "auto",
+                  offload: bool = False, transformer_dtype: torch.dtype = torch.bfloat16,
+                  text_encoder_dtype: torch.dtype = torch.bfloat16,
+                  vae_dtype: torch.dtype = torch.float32):
+    """Load a Wan 2.1 text-to-video :class:`~diffusers.WanPipeline` (local folder or hub id).
+
+    The transformer and text encoder are loaded in ``transformer_dtype``/``text_encoder_dtype``
+    (BF16; diffusers keeps the transformer's norms, time embedder and modulation tables in FP32),
+    the VAE in ``vae_dtype`` (FP32). A local folder is read with ``local_files_only``. Without
+    ``offload`` the whole pipeline is moved to ``device``.
+
+    Raises:
+        ModelLoadError: with the model name and the reason.
+    """
+    info = model_info(model)
+    dev = resolve_device(device)
+    return _load_pipeline(info, dev, offload, transformer_dtype, text_encoder_dtype, vae_dtype)
+
+
+def _load_pipeline(info: ModelInfo, dev: torch.device, offload: bool, transformer_dtype,
+                   text_encoder_dtype, vae_dtype):
+    from diffusers import AutoencoderKLWan, WanPipeline
+    from transformers import UMT5EncoderModel
+
+    where = str(info.path) if info.path is not None else info.source
+    local = {"local_files_only": True} if info.path is not None else {}
+    try:
+        with _quiet_loading():
+            vae = AutoencoderKLWan.from_pretrained(where, subfolder="vae", **_dtype_kwarg(vae_dtype),
+                                                   **local)
+            text_encoder = UMT5EncoderModel.from_pretrained(where, subfolder="text_encoder",
+                                                            **_hf_dtype_kwarg(text_encoder_dtype),
+                                                            **local)
+            pipe = WanPipeline.from_pretrained(where, vae=vae, text_encoder=text_encoder,
+                                               **_dtype_kwarg(transformer_dtype), **local)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one clear message
+        hint = "" if info.path is not None else (
+            " (not a local folder; fetching it from the hub failed — pass a local folder to work "
+            "offline)")
+        raise ModelLoadError(f"could not load the Wan pipeline from {info.source}{hint}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+    if pipe.transformer is None:
+        raise ModelLoadError(f"{info.source} has no transformer")
+    for m in (pipe.transformer, pipe.text_encoder, pipe.vae):
+        m.eval()
+        m.requires_grad_(False)
+    pipe.set_progress_bar_config(disable=True)
+    if not offload:
+        pipe.to(dev)
+    return pipe
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys():
+        return False
+    return all(sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k].to(sa[k].device)) for k in sa)
+
+
+def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Path | None = None,
+                device: str | torch.device = "auto", offload: bool = False,
+                transformer_dtype: torch.dtype = torch.bfloat16) -> WanModels:
+    """Load the base pipeline and, if given, an Attn-QAT transformer beside it.
+
+    Args:
+        model: local diffusers folder or hub id (default: the embedded tiny model).
+        qat_transformer: a diffusers transformer folder or one ``.safetensors`` file in the
+            diffusers, FastVideo or original-Wan naming scheme; ``"auto"`` takes the one the model
+            folder names in its ``attnqat.json`` (the embedded tiny model has one).
+        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
+        offload: keep components on the CPU and move each to the device only while it runs.
+        transformer_dtype: dtype of both transformers (BF16).
+
+    Returns:
+        :class:`WanModels`. ``qat_info`` holds the path, the naming scheme found, the folder's note on
+        the weights and whether they are identical to the base transformer's.
+    """
+    from .convert import load_wan_transformer
+
+    info = model_info(model)
+    dev = resolve_device(device)
+    qat_path: Path | None = None
+    if qat_transformer == "auto":
+        qat_path = info.qat_transformer
+    elif qat_transformer is not None:
+        qat_path = Path(qat_transformer).expanduser()
+        if not qat_path.exists():
+            raise ModelLoadError(f"Attn-QAT transformer not found: {qat_transformer}")
+    pipe = _load_pipeline(info, dev, offload, transformer_dtype, torch.bfloat16, torch.float32)
+    models = WanModels(pipe=pipe, device=dev, info=info, offload=offload)
+    if qat_path is not None:
+        qat, ckpt = load_wan_transformer(qat_path, config=dict(pipe.transformer.config),
+                                         dtype=transformer_dtype)
+        qat.eval()
+        qat.requires_grad_(False)
+        base_device = next(pipe.transformer.parameters()).device
+        qat.to(base_device)
+        identical = _same_weights(qat, pipe.transformer)
+        note = ckpt.note
+        if identical:
+            note = ("the Attn-QAT transformer's weights are identical to the base transformer's: "
+                    "no QAT fine-tuning has been applied, so the attnqat clip is plain NVFP4 "
+                    "attention on the base model (the same clip as nvfp4)")
+        models.qat_transformer = qat
+        models.qat_info = {"path": str(qat_path.resolve()), "scheme": ckpt.scheme,
+                           "prefix_stripped": ckpt.prefix, "note": note, "folder_note": ckpt.note,
+                           "identical_to_base": identical}
+    return models
+
+
+def latent_shape(pipe, height: int, width: int, frames: int, batch: int = 1) -> tuple[int, ...]:
+    """Shape of the initial noise for ``pipe`` at the given size: (B, C, (F-1)/4+1, H/8, W/8)."""
+    t = pipe.vae_scale_factor_temporal
+    s = pipe.vae_scale_factor_spatial
+    return (batch, pipe.transformer.config.in_channels, (frames - 1) // t + 1, height // s, width // s)
+
+
+__all__ = [
+    "AttnQATProcessor", "DEFAULT_MODEL", "FP4_SCOPES", "ModelInfo", "ModelLoadError", "WAN_DEFAULTS",
+    "WanModels", "default_shift", "get_processor", "install_attention", "latent_shape",
+    "load_models", "load_pipeline", "model_info", "resolve_device", "set_method",
+    "uninstall_attention",
+]

@@ -1,0 +1,228 @@
+"""End-to-end generation on the embedded tiny pipeline (attnqat/generate.py, attnqat/generate_cli.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+import attnqat.generate as gen
+from attnqat import video, wan
+from attnqat.cli import main
+from attnqat.tiny import TINY_MODEL_DIR, TINY_QAT_DIR
+
+SMALL = dict(height=32, width=32, frames=5, steps=2)
+PROMPT = "a red circle moves left on a blue background"
+
+
+@pytest.fixture(scope="module")
+def models():
+    return wan.load_models(qat_transformer="auto", device="cpu")
+
+
+def test_cli_all_four_methods_end_to_end(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["generate", "--prompt", PROMPT, "--negative-prompt", "blurry", "--height", "32",
+               "--width", "48", "--frames", "5", "--steps", "2", "--fps", "8", "--seed", "7",
+               "--out", str(out), "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "identical to the base transformer" in printed  # the QAT weights are a copy, said so
+    assert f"wrote {out}" in printed
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["attnqat.mp4", "bf16.mp4", "nvfp4.mp4", "record.json", "sage3.mp4", "side_by_side.mp4"]
+    rec = json.loads((out / "record.json").read_text())
+    assert rec["prompt"] == PROMPT and rec["negative_prompt"] == "blurry" and rec["seed"] == 7
+    assert rec["settings"]["methods"] == ["bf16", "nvfp4", "sage3", "attnqat"]
+    assert rec["settings"]["fp4_scope"] == "self"
+    assert rec["side_by_side"] == "side_by_side.mp4"
+    assert rec["versions"]["torch"] == torch.__version__
+    assert "identical to the base" in rec["qat_weights_note"]
+    for m, d in rec["methods"].items():
+        assert d["video"] == f"{m}.mp4"
+        assert video.probe_mp4(out / d["video"]) == {"frames": 5, "height": 32, "width": 48, "fps": 8.0}
+        t = d["timings"]
+        assert t["denoising_s"] > 0 and t["decoding_s"] > 0 and t["text_encoding_s"] > 0
+        assert 0 < t["attention_s"] < t["denoising_s"]
+        assert d["attention_calls"]["self"] == 2 * 2 * 4  # steps x (cond, uncond) x layers
+        assert d["peak_memory_bytes"] > 0
+        if m == "bf16":
+            assert d["psnr"] is None and d["ssim"] is None
+        else:
+            assert d["psnr"] is not None and d["psnr"] > 0 and 0 < d["ssim"] <= 1
+    assert rec["methods"]["attnqat"]["transformer"] == "attnqat"
+    assert rec["methods"]["attnqat"]["attention_method"] == "nvfp4"
+    sbs = video.probe_mp4(out / "side_by_side.mp4")
+    assert sbs["frames"] == 5 and sbs["width"] == 4 * 48 + 3 * video.GAP and sbs["height"] > 32
+
+
+def test_same_noise_same_embeddings_and_text_encoded_once(models, monkeypatch):
+    calls = []
+    hook = models.pipe.text_encoder.register_forward_hook(lambda *a: calls.append(1))
+    seen = []
+    real_denoise = gen.denoise
+
+    def spy(transformer, sched, latents, pe, ne, **kw):
+        seen.append((latents.clone(), pe.clone(), ne.clone()))
+        return real_denoise(transformer, sched, latents, pe, ne, **kw)
+
+    monkeypatch.setattr(gen, "denoise", spy)
+    try:
+        res = gen.generate(PROMPT, models=models, progress=False, **SMALL)
+    finally:
+        hook.remove()
+    assert len(calls) == 2  # prompt and negative prompt, once for all four methods
+    assert len(seen) == 4
+    for lat, pe, ne in seen[1:]:
+        assert torch.equal(lat, seen[0][0]) and torch.equal(pe, seen[0][1]) and torch.equal(ne, seen[0][2])
+    assert torch.equal(res.initial_latents, seen[0][0])
+    v = res.videos
+    assert set(v) == {"bf16", "nvfp4", "sage3", "attnqat"}
+    assert not np.array_equal(v["bf16"], v["nvfp4"])
+    assert np.array_equal(v["nvfp4"], v["attnqat"])  # identical weights, same numerics
+
+
+def test_bf16_equals_the_diffusers_pipeline(models):
+    """Our loop is WanPipeline's: with the same latents and embeddings the frames are identical."""
+    res = gen.generate(PROMPT, methods="bf16", models=models, progress=False, guidance=4.0, **SMALL)
+    pipe = models.pipe
+    wan.set_method(pipe.transformer, "bf16")
+    pe, ne = gen.encode_prompts(models, PROMPT, "", 4.0)
+    pipe.scheduler = gen._make_scheduler(pipe.scheduler, 3.0)
+    frames = pipe(prompt_embeds=pe, negative_prompt_embeds=ne, latents=res.initial_latents,
+                  guidance_scale=4.0, num_inference_steps=2, height=32, width=32, num_frames=5,
+                  output_type="np").frames
+    assert np.array_equal(video.to_uint8_frames(frames), res.videos["bf16"])
+
+
+def test_fp4_scope_all_changes_the_output(models):
+    a = gen.generate(PROMPT, methods="nvfp4", models=models, progress=False, **SMALL)
+    b = gen.generate(PROMPT, methods="nvfp4", models=models, progress=False, fp4_scope="all", **SMALL)
+    assert not np.array_equal(a.videos["nvfp4"], b.videos["nvfp4"])
+    assert b.record["settings"]["fp4_scope"] == "all"
+
+
+def test_save_load_round_trip_reproduces_outputs(models, tmp_path):
+    base = tmp_path / "copy"
+    models.pipe.save_pretrained(base)
+    shutil.copy(TINY_MODEL_DIR / "attnqat.json", base / "attnqat.json")
+    models.qat_transformer.save_pretrained(tmp_path / "tiny-wan-qat")
+    again = wan.load_models(base, qat_transformer=tmp_path / "tiny-wan-qat", device="cpu")
+    a = gen.generate(PROMPT, models=models, progress=False, methods="bf16,attnqat", **SMALL)
+    b = gen.generate(PROMPT, models=again, progress=False, methods="bf16,attnqat", **SMALL)
+    for m in ("bf16", "attnqat"):
+        assert np.array_equal(a.videos[m], b.videos[m])
+
+
+def test_default_tiny_size(tmp_path, models):
+    res = gen.generate(PROMPT, methods="bf16", models=models, progress=False, out=tmp_path / "o")
+    s = res.record["settings"]
+    assert (s["height"], s["width"], s["frames"], s["fps"], s["steps"]) == (128, 128, 33, 16.0, 20)
+    assert video.probe_mp4(tmp_path / "o" / "bf16.mp4") == {"frames": 33, "height": 128, "width": 128,
+                                                            "fps": 16.0}
+
+
+@pytest.fixture()
+def no_loading(monkeypatch):
+    def fail(*a, **k):
+        raise AssertionError("a model was loaded before the inputs were validated")
+
+    monkeypatch.setattr(gen, "load_models", fail)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(height=100), "--height must be a positive multiple of 16"),
+    (dict(width=40), "--width must be a positive multiple of 16"),
+    (dict(frames=32), "--frames must be 4k"),
+    (dict(steps=0), "--steps must be a positive integer"),
+    (dict(steps=-3), "--steps must be a positive integer"),
+    (dict(methods="bf16,fp8"), "unknown method"),
+    (dict(methods="bf16,bf16"), "more than once"),
+    (dict(methods=""), "empty"),
+    (dict(guidance=-1.0), "--guidance"),
+    (dict(fps=0), "--fps"),
+    (dict(qat_transformer="/no/such/qat"), "does not exist"),
+])
+def test_bad_input_is_refused_before_loading(tmp_path, no_loading, kwargs, message):
+    out = tmp_path / "out"
+    with pytest.raises(gen.GenerationError, match=message):
+        gen.generate(PROMPT, out=out, progress=False, **kwargs)
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_attnqat_without_qat_weights(tmp_path, no_loading):
+    model = tmp_path / "real-like"
+    shutil.copytree(TINY_MODEL_DIR, model)
+    (model / "attnqat.json").unlink()  # a plain diffusers folder names no Attn-QAT transformer
+    with pytest.raises(gen.GenerationError, match="needs Attn-QAT weights"):
+        gen.generate(PROMPT, model=model, out=tmp_path / "o", progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_model_and_cuda_without_cuda(tmp_path, no_loading, capsys):
+    rc = main(["generate", "--prompt", PROMPT, "--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "model folder not found" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        rc = main(["generate", "--prompt", PROMPT, "--device", "cuda", "--out", str(tmp_path / "o")])
+        assert rc == 2 and "CUDA is not available" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_corrupted_model_leaves_nothing(tmp_path, capsys):
+    model = tmp_path / "tiny"
+    shutil.copytree(TINY_MODEL_DIR, model)
+    f = model / "vae" / "diffusion_pytorch_model.safetensors"
+    f.write_bytes(f.read_bytes()[:2000])
+    rc = main(["generate", "--prompt", PROMPT, "--model", str(model), "--qat-transformer",
+               str(TINY_QAT_DIR), "--out", str(tmp_path / "o"), "--no-progress", "--height", "32",
+               "--width", "32", "--frames", "5", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "could not load the Wan pipeline" in err and "vae" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]
+
+
+def test_corrupted_qat_file_is_reported(tmp_path, capsys):
+    bad = tmp_path / "qat.safetensors"
+    bad.write_bytes((TINY_QAT_DIR / "diffusion_pytorch_model.safetensors").read_bytes()[:3000])
+    rc = main(["generate", "--prompt", PROMPT, "--qat-transformer", str(bad), "--out",
+               str(tmp_path / "o"), "--no-progress", "--height", "32", "--width", "32",
+               "--frames", "5", "--steps", "1"])
+    assert rc == 2 and "corrupted or not a safetensors file" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_failure_while_writing_leaves_no_partial_output(tmp_path, models, monkeypatch):
+    def broken(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(gen.vid, "side_by_side", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        gen.generate(PROMPT, methods="bf16,nvfp4", models=models, progress=False,
+                     out=tmp_path / "o", **SMALL)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_folder(tmp_path, models):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(gen.GenerationError, match="not empty"):
+        gen.generate(PROMPT, methods="bf16", models=models, progress=False, out=out, **SMALL)
+    gen.generate(PROMPT, methods="bf16,nvfp4", models=models, progress=False, out=out,
+                 overwrite=True, **SMALL)
+    gen.generate(PROMPT, methods="bf16", models=models, progress=False, out=out, overwrite=True, **SMALL)
+    # the earlier run's nvfp4 clip is gone, the user's own file stays
+    assert sorted(p.name for p in out.iterdir()) == ["bf16.mp4", "keep.txt", "record.json", "side_by_side.mp4"]
+
+
+def test_offload_path_gives_the_same_clips(models):
+    offloaded = wan.load_models(qat_transformer="auto", device="cpu", offload=True)
+    assert offloaded.offload
+    a = gen.generate(PROMPT, models=models, progress=False, methods="bf16,attnqat", **SMALL)
+    b = gen.generate(PROMPT, models=offloaded, progress=False, methods="bf16,attnqat", **SMALL)
+    for m in ("bf16", "attnqat"):
+        assert np.array_equal(a.videos[m], b.videos[m])
+    assert b.record["settings"]["offload"] is True and a.record["settings"]["offload"] is False
