@@ -48,6 +48,9 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
         Command("build", "attnqat.eval.build", "build a blind study from generated clips"),
         Command("serve", "attnqat.eval.serve", "serve the rater web app for a study"),
         Command("report", "attnqat.eval.report", "statistics, plots and exports of a study's votes"),
+        Command("score", "attnqat.eval.procedural",
+                "score clips of the synthetic shapes benchmark against their captions (colour, "
+                "shape, motion, temporal consistency, cleanliness); --validate measures the scorer"),
     ]),
     "finetune": ("Attn-QAT fine-tuning and the project's own tiny model", [
         Command("train", "attnqat.finetune.train", "fine-tune a Wan transformer with Attn-QAT"),
