@@ -44,7 +44,7 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
         Command("wan", "attnqat.bench_wan",
                 "time one full-size Wan 2.1 transformer forward per attention method (GPU, random weights)"),
     ]),
-    "eval": ("blind win-tie-lose human study", [
+    "eval": ("blind win-tie-lose human study and automatic scores", [
         Command("build", "attnqat.eval.build", "build a blind study from generated clips"),
         Command("serve", "attnqat.eval.serve", "serve the rater web app for a study"),
         Command("report", "attnqat.eval.report", "statistics, plots and exports of a study's votes"),

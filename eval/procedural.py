@@ -401,18 +401,22 @@ def analyze_clip(frames: np.ndarray) -> ClipAnalysis:
 def match_objects(stated: Sequence[tuple[str, str, str]], detected: Sequence[tuple[str, str, str]]
                   ) -> list[int | None]:
     """One-to-one assignment of stated to detected (colour, shape, motion) triples that agrees on
-    the most attributes (colour breaking ties). Returns, per stated object, the index of its
-    detected object or ``None``."""
+    the most attributes (colour breaking ties, then the order of the triples, never the order of
+    ``detected``). Returns, per stated object, the index of its detected object or ``None``."""
     n, m = len(stated), len(detected)
-    best_score, best = -1.0, [None] * n
+    best_key: tuple = ()
+    best: list[int | None] = [None] * n
     for perm in itertools.permutations(range(m + n), n):   # indices >= m mean "unmatched"
         score = 0.0
         for s, d in zip(stated, perm):
             if d < m:
                 o = detected[d]
                 score += 1.001 * (s[0] == o[0]) + (s[1] == o[1]) + (s[2] == o[2])
-        if score > best_score:
-            best_score, best = score, [d if d < m else None for d in perm]
+        # ties go to the lexicographically first matched triples, so the result does not depend
+        # on the order in which objects were detected
+        key = (-score, tuple(tuple(detected[d]) if d < m else ("~",) for d in perm))
+        if not best_key or key < best_key:
+            best_key, best = key, [d if d < m else None for d in perm]
     return best
 
 

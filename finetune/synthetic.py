@@ -503,10 +503,11 @@ class SyntheticClips(IterableDataset):  # type: ignore[misc]
     """An unbounded (or ``length``-long) stream of ``(video, caption)`` pairs.
 
     ``video`` is ``float32 (3, T, H, W)`` in [-1, 1]. Item ``k`` of the stream is
-    :func:`clip_at` ``(seed, k)``, whatever the number of DataLoader workers or ranks: worker
-    ``w`` of ``n`` on rank ``r`` of ``world_size`` yields the items with
-    ``k % (n * world_size) == r * n + w``. Set ``epoch`` (or call :meth:`set_epoch`) to draw a
-    fresh stream per epoch.
+    ``clip_at(seed * 1_000_003 + epoch, k, split, ...)``, whatever the number of DataLoader
+    workers or ranks: worker ``w`` of ``n`` on rank ``r`` of ``world_size`` yields the items with
+    ``k % (n * world_size) == r * n + w`` (so each worker seeds itself from the item index, and
+    no two workers or ranks repeat an item). Set ``epoch`` (or call :meth:`set_epoch`) to draw a
+    fresh stream per epoch. With ``split="train"`` no item ever shows a held-out triple.
     """
 
     def __init__(self, seed: int = 0, frames: int = DEFAULT_FRAMES,

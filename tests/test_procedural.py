@@ -268,3 +268,17 @@ def test_validate_prints_the_table(capsys):
         assert row in result["table"] and row in table
     assert result["table"]["ground_truth"]["colour"] == 1.0
     assert result["table"]["noise"]["all_correct"] == 0.0
+
+
+def test_matching_is_one_to_one_and_independent_of_detection_order():
+    stated = [("red", "circle", "left"), ("blue", "square", "up")]
+    detected = [("blue", "square", "up"), ("green", "triangle", "down"), ("red", "circle", "left")]
+    assert P.match_objects(stated, detected) == [2, 0]
+    assert P.match_objects(stated, detected[::-1]) == [0, 2]
+    # a tie is resolved by the detected triples, not by their order
+    one = [("red", "circle", "left")]
+    ties = [("blue", "circle", "up"), ("green", "circle", "up")]
+    assert ties[P.match_objects(one, ties)[0]] == ties[::-1][P.match_objects(one, ties[::-1])[0]]
+    # never two stated objects on one detected object
+    assert P.match_objects(stated, [("red", "circle", "left")]) == [0, None]
+    assert P.match_objects(stated, []) == [None, None]
