@@ -44,13 +44,19 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
         Command("wan", "attnqat.bench_wan",
                 "time one full-size Wan 2.1 transformer forward per attention method (GPU, random weights)"),
     ]),
-    "eval": ("blind win-tie-lose human study", [
+    "eval": ("blind win-tie-lose human study and automatic scores", [
         Command("build", "attnqat.eval.build", "build a blind study from generated clips"),
         Command("serve", "attnqat.eval.serve", "serve the rater web app for a study"),
         Command("report", "attnqat.eval.report", "statistics, plots and exports of a study's votes"),
+        Command("score", "attnqat.eval.procedural",
+                "score clips of the synthetic shapes benchmark against their captions (colour, "
+                "shape, motion, temporal consistency, cleanliness); --validate measures the scorer"),
     ]),
     "finetune": ("Attn-QAT fine-tuning and the project's own tiny model", [
         Command("train", "attnqat.finetune.train", "fine-tune a Wan transformer with Attn-QAT"),
+        Command("data", "attnqat.finetune.synthetic",
+                "write sample clips (mp4) and captions of the synthetic shapes data set, from the "
+                "training stream or the fixed held-out prompts"),
     ]),
 }
 
