@@ -44,7 +44,7 @@ from attnqat.wan import FP4_SCOPES, WanModels
 METHOD_LABELS = {"bf16": "BF16", "nvfp4": "NVFP4", "sage3": "SageAttention3", "attnqat": "Attn-QAT"}
 #: One line under each label.
 METHOD_NOTES = {"bf16": "reference", "nvfp4": "4-bit attention dropped in",
-                "sage3": "4-bit, SageAttention3's smoothing", "attnqat": "4-bit, QAT fine-tuned model"}
+                "sage3": "4-bit with outlier smoothing", "attnqat": "4-bit, QAT fine-tuned model"}
 
 #: Inputs of a generation, in the order of the API endpoint's parameters.
 FIELDS = ("prompt", "methods", "seed", "steps", "guidance", "shift", "resolution", "frames",

@@ -22,12 +22,13 @@ os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported: n
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
 from attnqat.generate import GENERATION_METHODS
-from attnqat.tiny import TINY_MODEL_DIR
+from attnqat.tiny import ASSETS_DIR, TINY_MODEL_DIR
 
 from .player import (ResultView, read_static, render_error, render_input_errors, render_notes,
                      render_player, render_progress, render_summary)
@@ -39,6 +40,8 @@ SANS = ("Segoe UI", "Roboto", "Helvetica Neue", "Arial", "Liberation Sans", "Dej
 MONO = ("SFMono-Regular", "Menlo", "Consolas", "Liberation Mono", "DejaVu Sans Mono", "monospace")
 CONCURRENCY_ID = "generate"
 POLL_S = 0.4
+IDLE = ('<div class="aq-msg aq-idle">Press Generate: a progress bar per method appears here, then '
+        'the clips.</div>')
 
 #: Prompts in the tiny model's vocabulary (the synthetic shapes captions it is meant to learn).
 TINY_EXAMPLES = ("a red circle moves left on a blue background",
@@ -73,6 +76,8 @@ def _model_line(service: AppService) -> str:
         name = str(info.source)
     dev = str(models.device)
     qat = models.qat_info["path"] if models.qat_info else "not loaded"
+    if models.qat_info and Path(qat).is_relative_to(ASSETS_DIR):
+        qat = str(Path("assets") / Path(qat).relative_to(ASSETS_DIR))
     four_bit = ("4-bit attention is emulated by the PyTorch reference on the CPU"
                 if models.device.type == "cpu" else "4-bit attention runs the project's kernels")
     return (f"Model: {name} · device: {dev}{' (offloading)' if models.offload else ''} · "
@@ -187,7 +192,7 @@ def build_app(service: AppService, *, queue_size: int = 8) -> gr.Blocks:
                                   elem_id="aq-negative",
                                   placeholder="Optional; used by classifier-free guidance")
 
-        status = gr.HTML("", elem_id="aq-status")
+        status = gr.HTML(IDLE, elem_id="aq-status", min_height=40)
         player = gr.HTML("", js_on_load=read_static("player.js"), elem_id="aq-player")
         with gr.Row():
             reveal = gr.Button("Reveal labels", visible=False, elem_id="aq-reveal", scale=0,
@@ -325,7 +330,7 @@ def build_app(service: AppService, *, queue_size: int = 8) -> gr.Blocks:
                     api_visibility="private", show_progress="hidden")
             trigger(generate_ui, inputs=ui_inputs, outputs=ui_outputs, validator=validate_ui,
                     concurrency_limit=1, concurrency_id=CONCURRENCY_ID, api_visibility="private",
-                    show_progress="minimal", show_progress_on=[status]).then(
+                    show_progress="full", show_progress_on=[status]).then(
                 sync_blind, inputs=[blind, view_state], outputs=view_targets, queue=False,
                 api_visibility="private", show_progress="hidden")
         blind.change(set_blind, inputs=[blind, view_state], outputs=view_targets, queue=False,
