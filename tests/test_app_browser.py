@@ -75,6 +75,7 @@ def app(tmp_path_factory):
         s.connect_ex(("0.0.0.0", 9))
     assert guard.hits == ["connect ('0.0.0.0', 9)"]
     guard.hits.clear()
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("browser-app")
     service = load_service(device="cpu", output_dir=root / "out", keep=5)
@@ -90,6 +91,7 @@ def app(tmp_path_factory):
         demo.close()
         service.close()
         mp.undo()
+        torch.set_num_threads(threads)
 
 
 def _wait_status(page, text: str, timeout: int = 120_000) -> str:

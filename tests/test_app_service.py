@@ -24,8 +24,12 @@ SMALL = dict(seed=3, steps=2, resolution="32x48", frames=5)
 
 @pytest.fixture(scope="module")
 def models():
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    return load_models(qat_transformer="auto", device="cpu")
+    try:
+        yield load_models(qat_transformer="auto", device="cpu")
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture()
