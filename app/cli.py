@@ -8,6 +8,7 @@ fonts or scripts from elsewhere: it works on a machine without network.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import sys
@@ -116,9 +117,11 @@ def run(args: argparse.Namespace) -> int:
     from .ui import build_app, launch
 
     def stop(_signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once is enough
         raise KeyboardInterrupt  # Gradio closes the server; the finally below removes temp outputs
 
     signal.signal(signal.SIGTERM, stop)
+    atexit.register(service.close)  # also when a second interruption cuts the finally short
     try:
         demo = build_app(service, queue_size=args.queue_size)
         log(f"outputs in {service.root} (keeping the {service.keep} most recent)")
