@@ -56,12 +56,11 @@ def theme() -> gr.themes.Base:
 
 def example_prompts(service: AppService, n: int = 6) -> list[str]:
     """Example prompts for the page: shapes captions for the tiny model, then the project's list."""
-    from attnqat.eval.sources import read_prompts
-
     try:
-        general = read_prompts()
-    except Exception:  # noqa: BLE001 - examples are optional
-        general = []
+        lines = (ASSETS_DIR / "prompts.txt").read_text(encoding="utf-8").splitlines()
+    except OSError:  # examples are optional
+        lines = []
+    general = list(dict.fromkeys(line.strip() for line in lines if line.strip()))
     if service.info.kind == "tiny-wan":
         return list(TINY_EXAMPLES) + general[:2]
     return general[:n]
