@@ -1,0 +1,260 @@
+"""HTML of the page's dynamic parts: the synced players with their metric cards, the per-method
+progress bars, the run summary and messages.
+
+Everything here is a pure function of plain data (a :class:`ResultView` and the generation record),
+so it is tested without a server. The players' script is ``static/player.js`` (run by the
+``gr.HTML`` component's ``js_on_load``); the styles are ``static/app.css``.
+
+Blind mode: the clips are shown in a shuffled order, captioned "Clip A", "Clip B", …, without metric
+cards or download links, and their URLs are the random media names of
+:class:`attnqat.app.service.AppService` — nothing in the players' HTML names a method until the
+labels are revealed.
+"""
+
+from __future__ import annotations
+
+import html
+import random
+import string
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+from urllib.parse import quote
+
+from .service import METHOD_LABELS, METHOD_NOTES
+
+STATIC = Path(__file__).resolve().parent / "static"
+FILE_ROUTE = "gradio_api/file="  # relative: works when the app is mounted below a path
+
+
+def read_static(name: str) -> str:
+    return (STATIC / name).read_text(encoding="utf-8")
+
+
+def file_url(path: str | Path) -> str:
+    """URL under which Gradio serves a file of an allowed/static folder (relative to the page)."""
+    return FILE_ROUTE + quote(str(Path(path).resolve()), safe="/")
+
+
+@dataclass(frozen=True)
+class ResultView:
+    """What the page shows of one result (kept in the session's ``gr.State``).
+
+    ``order`` is the display order; ``blind`` shuffles and hides labels until ``revealed``.
+    """
+
+    run_id: str
+    methods: tuple[str, ...]
+    media: dict[str, str]          # method → path of the randomly named clip
+    files: tuple[str, ...]         # downloads: clips, side_by_side.mp4, record.json
+    record: dict[str, Any]
+    order: tuple[str, ...] = ()
+    blind: bool = False
+    revealed: bool = False
+
+    def with_blind(self, blind: bool, rng: random.Random | None = None) -> "ResultView":
+        """Blind on: a new shuffled order, labels hidden. Blind off: the run's order, labelled."""
+        if blind:
+            order = list(self.methods)
+            (rng or random.SystemRandom()).shuffle(order)
+            return replace(self, order=tuple(order), blind=True, revealed=False)
+        return replace(self, order=tuple(self.methods), blind=False, revealed=False)
+
+    def reveal(self) -> "ResultView":
+        return replace(self, revealed=True)
+
+    @property
+    def hidden(self) -> bool:
+        """Labels hidden now."""
+        return self.blind and not self.revealed
+
+    def files_exist(self) -> bool:
+        return all(Path(p).is_file() for p in self.media.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting
+# ----------------------------------------------------------------------------------------------
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "—"
+    return f"{s * 1000:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "—"
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.0f} {unit}"
+    return f"{n} B"
+
+
+def _esc(x: Any) -> str:
+    return html.escape(str(x), quote=True)
+
+
+def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tuple[str, str, str]]:
+    """(name, value, tooltip) rows of one method's card."""
+    t = entry.get("timings", {})
+    share = t.get("attention_share_of_denoising")
+    att = fmt_seconds(t.get("attention_s"))
+    if share is not None and t.get("attention_s") is not None:
+        att += f" ({share:.0%})"
+    kind = entry.get("peak_memory_kind")
+    mem_tip = ("peak GPU memory allocated during this method" if kind == "cuda_max_memory_allocated"
+               else "peak resident memory of the app process so far (on the CPU it cannot be reset "
+                    "between methods)")
+    if method == "bf16":
+        psnr = ssim = "reference"
+    elif not bf16_run:
+        psnr = ssim = "— (BF16 not run)"
+    elif entry.get("identical_to_bf16"):
+        psnr, ssim = "identical", f"{entry['ssim']:.4f}" if entry.get("ssim") is not None else "1"
+    else:
+        psnr = f"{entry['psnr']:.2f} dB" if entry.get("psnr") is not None else "—"
+        ssim = f"{entry['ssim']:.4f}" if entry.get("ssim") is not None else "—"
+    return [
+        ("Denoising", fmt_seconds(t.get("denoising_s")), "time of the denoising loop"),
+        ("Attention", att, "time inside attention calls, and its share of denoising"),
+        ("Peak memory", fmt_bytes(entry.get("peak_memory_bytes")), mem_tip),
+        ("PSNR vs BF16", psnr, "peak signal-to-noise ratio against the BF16 clip (higher is closer)"),
+        ("SSIM vs BF16", ssim, "structural similarity against the BF16 clip (1 is identical)"),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# The players
+# ----------------------------------------------------------------------------------------------
+
+def render_player(view: ResultView | None) -> str:
+    """The row of synced players (empty string when there is nothing to show)."""
+    if view is None:
+        return ""
+    if not view.files_exist():
+        return ('<div class="aq-player aq-gone"><p class="aq-player-msg">This result is no longer '
+                'on the server (the app keeps only the most recent results). Generate again.</p>'
+                '</div>')
+    order = view.order or view.methods
+    hidden = view.hidden
+    rec_methods = view.record.get("methods", {})
+    bf16_run = "bf16" in rec_methods
+    figures = []
+    for i, method in enumerate(order):
+        src = file_url(view.media[method])
+        video = (f'<video src="{_esc(src)}" muted playsinline preload="auto" '
+                 f'disablepictureinpicture></video>')
+        if hidden:
+            letter = string.ascii_uppercase[i]
+            figures.append(f'<figure class="aq-clip"><figcaption class="aq-label">'
+                           f'<b>Clip {letter}</b></figcaption>{video}</figure>')
+            continue
+        rows = "".join(f'<dt title="{_esc(tip)}">{_esc(k)}</dt><dd>{_esc(v)}</dd>'
+                       for k, v, tip in metric_rows(method, rec_methods.get(method, {}), bf16_run))
+        name = f"{method}.mp4"
+        figures.append(
+            f'<figure class="aq-clip" data-method="{_esc(method)}">'
+            f'<figcaption class="aq-label"><b>{_esc(METHOD_LABELS[method])}</b>'
+            f'<span>{_esc(METHOD_NOTES[method])}</span></figcaption>{video}'
+            f'<dl class="aq-card">{rows}</dl>'
+            f'<a class="aq-dl" href="{_esc(src)}" download="{_esc(name)}">Download {_esc(name)}</a>'
+            f'</figure>')
+    note = ("Blind mode: the clips are shuffled and unlabelled. Press “Reveal labels” to see which "
+            "is which." if hidden else
+            ("Revealed: the clips stay in their blind order." if view.blind else ""))
+    cols = len(order)
+    return (f'<div class="aq-player" data-count="{cols}" data-blind="{"yes" if hidden else "no"}" '
+            f'style="--aq-cols: {cols}">'
+            '<div class="aq-controls"><button type="button" class="aq-toggle">Pause</button>'
+            '<button type="button" class="aq-restart">Restart</button>'
+            f'<span class="aq-player-msg">{_esc(note)}</span></div>'
+            f'<div class="aq-row">{"".join(figures)}</div></div>')
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress, summary, messages
+# ----------------------------------------------------------------------------------------------
+
+_STATE_TEXT = {"waiting": "waiting", "denoising": "step {step}/{steps}", "decoding": "decoding",
+               "done": "done"}
+
+
+def render_progress(snapshot: dict[str, Any], headline: str) -> str:
+    """One bar per method (denoising steps, then decoding) under a headline."""
+    rows = []
+    for row in snapshot["methods"]:
+        pct = max(0.0, min(1.0, row["fraction"])) * 100
+        state = row["state"]
+        text = _STATE_TEXT[state].format(step=min(row["step"] + 1, row["steps"]), steps=row["steps"])
+        rows.append(
+            f'<div class="aq-prow" data-method="{_esc(row["method"])}" data-state="{state}">'
+            f'<span class="aq-pname">{_esc(METHOD_LABELS[row["method"]])}</span>'
+            f'<div class="aq-bar" role="progressbar" aria-label="{_esc(METHOD_LABELS[row["method"]])}" '
+            f'aria-valuemin="0" aria-valuemax="100" aria-valuenow="{pct:.0f}">'
+            f'<div style="width: {pct:.1f}%"></div></div>'
+            f'<span class="aq-pstate">{_esc(text)}</span></div>')
+    return (f'<div class="aq-progress" data-phase="{_esc(snapshot["phase"])}">'
+            f'<div class="aq-progress-head">{_esc(headline)} · {snapshot["elapsed_s"]:.1f} s</div>'
+            f'{"".join(rows)}</div>')
+
+
+def render_error(message: str, title: str = "Generation failed") -> str:
+    return (f'<div class="aq-msg aq-error" role="alert"><b>{_esc(title)}.</b> {_esc(message)}'
+            '<br><span class="aq-sub">The app is ready for the next request.</span></div>')
+
+
+def render_input_errors(errors: dict[str, str]) -> str:
+    """Invalid inputs, one line per field (``errors`` as in :class:`InputError`)."""
+    from .service import FIELD_NAMES
+
+    items = "".join(f"<li><b>{_esc(FIELD_NAMES.get(k, k))}</b>: {_esc(v)}</li>"
+                    for k, v in errors.items())
+    return (f'<div class="aq-msg aq-error" role="alert"><b>Check the inputs.</b><ul>{items}</ul>'
+            '<span class="aq-sub">Nothing was generated; fix the fields above and generate '
+            'again.</span></div>')
+
+
+def render_notes(notes: Sequence[str]) -> str:
+    notes = [n for n in notes if n]
+    if not notes:
+        return ""
+    items = "".join(f"<li>{_esc(n)}</li>" for n in notes)
+    return f'<div class="aq-msg aq-note"><b>About these weights</b><ul>{items}</ul></div>'
+
+
+def record_notes(record: dict[str, Any]) -> list[str]:
+    """The record's notes on the weights, model first."""
+    out = []
+    if record.get("model_weights_note"):
+        out.append(f"Model: {record['model_weights_note']}")
+    if record.get("qat_weights_note"):
+        out.append(f"Attn-QAT: {record['qat_weights_note']}")
+    return out
+
+
+def render_summary(record: dict[str, Any], seconds: float | None = None,
+                   skip_notes: Sequence[str] = ()) -> str:
+    """The settings actually used (seed included), then the record's notes on the weights (those
+    not in ``skip_notes``, i.e. not already on the page)."""
+    s = record.get("settings", {})
+    scope = {"self": "self-attention", "all": "self- and cross-attention"}.get(s.get("fp4_scope"),
+                                                                             s.get("fp4_scope"))
+    parts = [f"seed <b>{_esc(record.get('seed'))}</b>",
+             f"{_esc(s.get('height'))}×{_esc(s.get('width'))}",
+             f"{_esc(s.get('frames'))} frames at {float(s.get('fps', 0)):g} fps",
+             f"{_esc(s.get('steps'))} steps", f"guidance {float(s.get('guidance', 0)):g}",
+             f"shift {float(s.get('shift', 0)):g}", f"4-bit {_esc(scope)}", _esc(s.get("device"))]
+    if record.get("text_encoding_s") is not None:
+        parts.append(f"text encoding {fmt_seconds(record['text_encoding_s'])} (shared)")
+    if seconds is not None:
+        parts.append(f"done in {seconds:.1f} s")
+    n = len(record.get("methods", {}))
+    head = f'<div class="aq-msg aq-ok"><b>Generated {n} clip{"s" if n != 1 else ""}</b> · ' + \
+        " · ".join(parts) + "</div>"
+    return head + render_notes([n for n in record_notes(record) if n not in skip_notes])
+
+
+__all__ = ["ResultView", "file_url", "fmt_bytes", "fmt_seconds", "metric_rows", "read_static",
+           "record_notes", "render_error", "render_input_errors", "render_notes", "render_player",
+           "render_progress", "render_summary"]

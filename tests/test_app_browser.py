@@ -1,0 +1,202 @@
+"""What a person sees in the comparison app, in headless Debian Chromium (Playwright, no downloaded
+browser): bad input and a failure explained in the page, a generation that plays in sync and
+loops, blind mode, and no request leaving 127.0.0.1 (neither from the page nor from the server)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+LABELS = ("bf16", "nvfp4", "sage3", "attnqat", "BF16", "NVFP4", "SageAttention3", "Attn-QAT")
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(shutil.which("chromium") is None and not Path(CHROMIUM).exists(),
+                       reason="Debian chromium is not installed (make browser)"),
+]
+
+_LOCAL = {"127.0.0.1", "::1", "localhost", "", None}
+
+
+class NetGuard:
+    """Records every connection or name lookup of this process that is not loopback."""
+
+    def __init__(self):
+        self.hits: list[str] = []
+
+    def install(self, monkeypatch):
+        real_connect, real_connect_ex = socket.socket.connect, socket.socket.connect_ex
+        real_getaddrinfo = socket.getaddrinfo
+        guard = self
+
+        def check(sock, address):
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in _LOCAL:
+                guard.hits.append(f"connect {address}")
+
+        def connect(sock, address):
+            check(sock, address)
+            return real_connect(sock, address)
+
+        def connect_ex(sock, address):
+            check(sock, address)
+            return real_connect_ex(sock, address)
+
+        def getaddrinfo(host, *args, **kwargs):
+            h = host.decode() if isinstance(host, bytes) else host
+            if h not in _LOCAL:
+                guard.hits.append(f"lookup {h}")
+            return real_getaddrinfo(host, *args, **kwargs)
+
+        monkeypatch.setattr(socket.socket, "connect", connect)
+        monkeypatch.setattr(socket.socket, "connect_ex", connect_ex)
+        monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    from attnqat.app.service import load_service
+    from attnqat.app.ui import build_app, launch
+
+    mp = pytest.MonkeyPatch()
+    guard = NetGuard()
+    guard.install(mp)
+    with socket.socket() as s:  # the guard sees a non-loopback address (0.0.0.0 stays local)
+        s.settimeout(1)
+        s.connect_ex(("0.0.0.0", 9))
+    assert guard.hits == ["connect ('0.0.0.0', 9)"]
+    guard.hits.clear()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("browser-app")
+    service = load_service(device="cpu", output_dir=root / "out", keep=5)
+    demo = build_app(service, queue_size=4)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch(demo, service, host="127.0.0.1", port=port, block=False, quiet=True)
+    try:
+        yield {"url": f"http://127.0.0.1:{port}/", "service": service, "guard": guard,
+               "root": root}
+    finally:
+        demo.close()
+        service.close()
+        mp.undo()
+        torch.set_num_threads(threads)
+
+
+def _wait_status(page, text: str, timeout: int = 120_000) -> str:
+    """Wait until the status box contains ``text``; returns its text."""
+    page.wait_for_function("t => (document.querySelector('#aq-status') || {}).innerText"
+                           "?.includes(t)", arg=text, timeout=timeout)
+    return page.inner_text("#aq-status")
+
+
+def _not_blank(png: Path, box: dict | None = None) -> None:
+    from PIL import Image
+
+    img = np.asarray(Image.open(png).convert("RGB")).astype(np.float32)
+    assert img.std() > 10, "the screenshot is blank"
+    if box is not None:  # the first video's area shows an image, not a flat colour
+        x, y, w, h = (int(box[k]) for k in ("x", "y", "width", "height"))
+        region = img[y:y + h, x:x + w]
+        assert region.size and region.std() > 5, "the video area is flat"
+
+
+def test_page_generates_plays_in_sync_blind_mode_and_stays_local(app, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    from attnqat.app.service import Fault
+
+    url, service = app["url"], app["service"]
+    requested: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1300, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.on("request", lambda r: requested.append(r.url))
+            page.goto(url)
+            page.wait_for_selector("#aq-generate")
+            # The page says what the loaded weights are.
+            assert service.info.weights_note in page.inner_text("#aq-header")
+
+            # Empty prompt: a message in the page, nothing generated.
+            page.click("#aq-generate")
+            _wait_status(page, "enter a prompt")
+            assert page.locator(".aq-player video").count() == 0
+
+            # Small settings in the Advanced accordion.
+            page.fill("#aq-prompt textarea", "a red circle moves left on a blue background")
+            page.click("#aq-advanced .label-wrap")
+            for elem, value in (("#aq-steps", "2"), ("#aq-frames", "17")):
+                page.fill(f"{elem} input[type=number]", value)
+                page.press(f"{elem} input[type=number]", "Enter")
+            page.fill("#aq-resolution input", "64x64")
+            page.press("#aq-resolution input", "Enter")
+
+            # A failure inside generation (simulated out-of-memory in SageAttention3): a message.
+            service.fault = Fault("oom", "sage3")
+            page.click("#aq-generate")
+            text = _wait_status(page, "Out of memory")
+            assert "Out of memory while generating with sage3 at 64×64×17" in text
+            assert "ready for the next request" in text
+            service.fault = None
+
+            # The next request: two methods.
+            for name in ("SageAttention3", "Attn-QAT"):
+                page.locator(f"#aq-methods label:has-text('{name}') input").uncheck()
+            page.click("#aq-generate")
+            _wait_status(page, "Generated 2 clips")
+            assert page.locator(".aq-player video").count() == 2
+            # both clips play, loop, and stay together
+            page.wait_for_function("() => Number(document.querySelector('.aq-player')"
+                                   ".dataset.loops || 0) >= 2", timeout=30_000)
+            state = page.evaluate("""() => Array.from(document.querySelectorAll('.aq-player video'))
+                .map(v => ({t: v.currentTime, paused: v.paused, w: v.videoWidth, h: v.videoHeight,
+                            d: v.duration}))""")
+            assert all(not s["paused"] for s in state)
+            assert all((s["w"], s["h"]) == (64, 64) for s in state)
+            assert all(abs(s["d"] - 17 / 16) < 0.1 for s in state)
+            assert max(s["t"] for s in state) - min(s["t"] for s in state) < 0.25
+            labels = page.eval_on_selector_all(".aq-clip", "els => els.map(e => e.dataset.method)")
+            assert labels == ["bf16", "nvfp4"]
+            assert "PSNR vs BF16" in page.inner_text(".aq-player")
+            seed_used = page.input_value("#aq-seed-used input, #aq-seed-used textarea")
+            assert seed_used.isdigit() and f"seed {seed_used}" in page.inner_text("#aq-status")
+            assert page.is_visible("#aq-files")
+            shot = tmp_path / "page.png"
+            page.screenshot(path=str(shot), full_page=True)
+            _not_blank(shot, page.locator(".aq-player video").first.bounding_box())
+
+            # Blind mode: shuffled, unlabelled, no method in the player's HTML or its URLs.
+            page.check("#aq-blind input")
+            page.wait_for_selector(".aq-player[data-blind='yes']")
+            blind_html = page.inner_html("#aq-player")
+            assert not any(lab in blind_html for lab in LABELS)
+            assert page.eval_on_selector_all(".aq-label", "els => els.map(e => e.textContent)") \
+                == ["Clip A", "Clip B"]
+            srcs = page.eval_on_selector_all(".aq-player video", "els => els.map(v => v.src)")
+            assert len(srcs) == 2 and not any(lab.lower() in s.lower() for s in srcs for lab in LABELS)
+            assert not page.is_visible("#aq-files")
+            page.wait_for_function("() => Array.from(document.querySelectorAll('.aq-player video'))"
+                                   ".every(v => !v.paused && v.currentTime > 0)")
+            page.click("#aq-reveal")
+            page.wait_for_selector(".aq-player[data-blind='no'] .aq-clip[data-method]")
+            revealed = page.eval_on_selector_all(".aq-clip", "els => els.map(e => e.dataset.method)")
+            assert sorted(revealed) == ["bf16", "nvfp4"]
+        finally:
+            browser.close()
+    # Nothing left 127.0.0.1: not the page, not the server.
+    outside = [u for u in requested if not u.startswith((url, "data:", "blob:"))]
+    assert outside == [], outside
+    assert app["guard"].hits == []
