@@ -1,0 +1,248 @@
+"""Fused backward of the 4-bit training methods (DESIGN.md §3.3), FlashAttention-2 style: nothing
+of size Sq×Skv is stored; S and P are recomputed tile by tile.
+
+``attnqat`` (QUANT_P): the operands are the forward's quantized Qᶠ, Kᶠ, Vᶠ (dequantized, exact in
+bfloat16/float16), and
+
+    principle 1   P = exp2(S·scale·log2e − LSE₂);  Pᶠ = quant(exp2(S·scale·log2e − m₂)) · exp2(m₂ − LSE₂)
+                  dV = (Pᶠ)ᵀ dO
+    principle 2   D = rowsum(dO ∘ O')  (O' = P̃ Vᶠ / l from the forward)
+                  dP = dO (Vᶠ)ᵀ;  dS = P ∘ (dP − D);  dQ = scale · dS Kᶠ;  dK = scale · dSᵀ Qᶠ
+
+where m₂ and LSE₂ are the forward's final row maximum and log-sum-exp in log2 units, and ``quant`` is
+the forward's NVFP4 quantizer per 16 keys (the decision documented in attnqat/reference.py: the
+backward quantizes P relative to the row's final maximum). P is computed once as P̃·exp2(m₂ − LSE₂).
+
+``dropin``: unquantized Q, K, V, D = rowsum(dO ∘ O) with the FP4 output O, Pᶠ = P.
+
+Three launches: ``_bwd_preprocess`` (D), ``_bwd_dkdv_kernel`` (one program per key block, looping
+over query blocks, S computed transposed so that P's 16-key blocks lie along axis 0) and
+``_bwd_dq_kernel`` (one program per query block, looping over key blocks). No atomics: the result
+is deterministic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attention_fwd import cast, mma, quantize_p_cols
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, DELTA,
+                    sob, sos, soh, sod, sdob, sdos, sdoh, sdod,
+                    H, Sq, D: tl.constexpr, BM: tl.constexpr):
+    """D = rowsum(dO ∘ O) in float32, (B, H, Sq)."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = start_m * BM + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    ok = offs_m < Sq
+    o = tl.load(O + b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdos
+                 + offs_d[None, :] * sdod, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * Sq + offs_m, tl.sum(o * do, axis=1), mask=ok)
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+               sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d,
+               BM: tl.constexpr, BN: tl.constexpr, QUANT_P: tl.constexpr,
+               MASK_N: tl.constexpr, MASK_M: tl.constexpr):
+    offs_m = start_m + tl.arange(0, BM)
+    m_ok = offs_m < Sq
+    qt_ptrs = Q + offs_m[None, :] * sqs + offs_d[:, None] * sqd
+    do_ptrs = DO + offs_m[:, None] * sdos + offs_d[None, :] * sdod
+    if MASK_M:
+        qt = tl.load(qt_ptrs, mask=m_ok[None, :], other=0.0)
+        lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))
+        di = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+    else:
+        qt = tl.load(qt_ptrs)
+        lse2 = tl.load(LSE2 + offs_m)
+        di = tl.load(DELTA + offs_m)
+    st = mma(k, qt, None)                                           # Sᵀ [BN keys, BM queries]
+    if MASK_N:
+        st = tl.where(kv_ok[:, None], st, float("-inf"))
+    if QUANT_P:
+        if MASK_M:
+            m2 = tl.load(M2 + offs_m, mask=m_ok, other=float("inf"))
+            c = tl.where(m_ok, tl.exp2(m2 - lse2), 0.0)
+        else:
+            m2 = tl.load(M2 + offs_m)
+            c = tl.exp2(m2 - lse2)
+        pt_tilde = tl.exp2(st * qk_scale - m2[None, :])          # relative to the final row max
+        pt = pt_tilde * c[None, :]
+        pft = quantize_p_cols(pt_tilde, BN, BM) * c[None, :]
+    else:
+        pt = tl.exp2(st * qk_scale - lse2[None, :])
+        pft = pt
+    if MASK_M:
+        do = tl.load(do_ptrs, mask=m_ok[:, None], other=0.0)
+    else:
+        do = tl.load(do_ptrs)
+    dv = mma(cast(pft, do.dtype), do, dv)
+    dpt = mma(v, tl.trans(do), None)                                # dPᵀ
+    dst = pt * (dpt - di[None, :])
+    dk = mma(cast(dst, qt.dtype), tl.trans(qt), dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE2, M2, DELTA,
+                     sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                     sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
+                     H, Sq, Skv, qk_scale, sm_scale,
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QUANT_P: tl.constexpr):
+    """Grid: (cdiv(Skv, BN), B·H). dK, dV of BN keys, accumulated over every query block."""
+    start_n = tl.program_id(0) * BN
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_n = start_n + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    kv_ok = offs_n < Skv
+    k = tl.load(K + b.to(tl.int64) * skb + h.to(tl.int64) * skh + offs_n[:, None] * sks + offs_d[None, :] * skd,
+                mask=kv_ok[:, None], other=0.0)
+    v = tl.load(V + b.to(tl.int64) * svb + h.to(tl.int64) * svh + offs_n[:, None] * svs + offs_d[None, :] * svd,
+                mask=kv_ok[:, None], other=0.0)
+    Q += b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    DO += b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh
+    LSE2 += bh.to(tl.int64) * Sq
+    M2 += bh.to(tl.int64) * Sq
+    DELTA += bh.to(tl.int64) * Sq
+    dk = tl.zeros([BN, D], tl.float32)
+    dv = tl.zeros([BN, D], tl.float32)
+    m_full = Sq // BM * BM
+    if start_n + BN <= Skv:
+        for start_m in range(0, m_full, BM):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+                                sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, False, False)
+    else:  # the ragged last key block: keys beyond Skv masked out of P
+        for start_m in range(0, m_full, BM):
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+                                sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, True, False)
+    if m_full < Sq:
+        dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, m_full, Sq, qk_scale,
+                            sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, True, True)
+    dk = dk * sm_scale
+    tl.store(DK + b.to(tl.int64) * sdkb + h.to(tl.int64) * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
+             cast(dk, DK.dtype.element_ty), mask=kv_ok[:, None])
+    tl.store(DV + b.to(tl.int64) * sdvb + h.to(tl.int64) * sdvh + offs_n[:, None] * sdvs + offs_d[None, :] * sdvd,
+             cast(dv, DV.dtype.element_ty), mask=kv_ok[:, None])
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse2, di, K, V, start_n, Skv, qk_scale, sks, skd, svs, svd, offs_d,
+             BN: tl.constexpr, MASK: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BN)
+    kv_ok = offs_n < Skv
+    kt_ptrs = K + offs_n[None, :] * sks + offs_d[:, None] * skd
+    vt_ptrs = V + offs_n[None, :] * svs + offs_d[:, None] * svd
+    if MASK:
+        kt = tl.load(kt_ptrs, mask=kv_ok[None, :], other=0.0)
+        vt = tl.load(vt_ptrs, mask=kv_ok[None, :], other=0.0)
+    else:
+        kt = tl.load(kt_ptrs)
+        vt = tl.load(vt_ptrs)
+    s = mma(q, kt, None)
+    if MASK:
+        s = tl.where(kv_ok[None, :], s, float("-inf"))
+    p = tl.exp2(s * qk_scale - lse2[:, None])
+    dp = mma(do, vt, None)
+    ds = p * (dp - di[:, None])
+    dq = mma(cast(ds, kt.dtype), tl.trans(kt), dq)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE2, DELTA,
+                   sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
+                   sdob, sdos, sdoh, sdod, sdqb, sdqs, sdqh, sdqd,
+                   H, Sq, Skv, qk_scale, sm_scale,
+                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Grid: (cdiv(Sq, BM), B·H). dQ of BM queries, accumulated over every key block."""
+    start_m = tl.program_id(0) * BM
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    offs_m = start_m + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    m_ok = offs_m < Sq
+    q = tl.load(Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd,
+                mask=m_ok[:, None], other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdob + h.to(tl.int64) * sdoh + offs_m[:, None] * sdos
+                 + offs_d[None, :] * sdod, mask=m_ok[:, None], other=0.0)
+    lse2 = tl.load(LSE2 + bh.to(tl.int64) * Sq + offs_m, mask=m_ok, other=float("inf"))
+    di = tl.load(DELTA + bh.to(tl.int64) * Sq + offs_m, mask=m_ok, other=0.0)
+    K += b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    V += b.to(tl.int64) * svb + h.to(tl.int64) * svh
+    dq = tl.zeros([BM, D], tl.float32)
+    n_full = Skv // BN * BN
+    for start_n in range(0, n_full, BN):
+        dq = _dq_step(dq, q, do, lse2, di, K, V, start_n, Skv, qk_scale, sks, skd, svs, svd, offs_d, BN, False)
+    if n_full < Skv:
+        dq = _dq_step(dq, q, do, lse2, di, K, V, n_full, Skv, qk_scale, sks, skd, svs, svd, offs_d, BN, True)
+    dq = dq * sm_scale
+    tl.store(DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh + offs_m[:, None] * sdqs + offs_d[None, :] * sdqd,
+             cast(dq, DQ.dtype.element_ty), mask=m_ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+# Tile configurations by head_dim, measured on the H100 (docs/kernels_notes.md). The dK/dV loop
+# runs without prefetching (1 stage) up to 32K queries and with 2 stages beyond: measured 59.6 vs
+# 67.5 ms at 32,760 queries, 536 vs 467 ms (forward+backward) at 75,600.
+BWD_CONFIGS = {
+    64: dict(dkdv=dict(BM=64, BN=128, num_warps=8, num_stages=1),
+             dq=dict(BM=128, BN=64, num_warps=8, num_stages=3)),
+    128: dict(dkdv=dict(BM=64, BN=128, num_warps=8, num_stages=1),
+              dq=dict(BM=128, BN=64, num_warps=8, num_stages=3)),
+}
+LONG_QUERIES = 32768  # above this the dK/dV loop prefetches (num_stages=2)
+
+
+def _s4(t):
+    return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
+
+
+def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bool, config=None):
+    """dQ, dK, dV (in q's dtype, (B, S, H, D)) of the 4-bit training methods.
+
+    ``q, k, v``: the operands the backward recomputes S from (Qᶠ, Kᶠ, Vᶠ for attnqat; the inputs for
+    dropin). ``o``: the output D is taken from (O' for attnqat, the FP4 O for dropin). ``lse2``,
+    ``m2``: the forward's log-sum-exp and final row maximum in log2 units, (B, H, Sq) float32.
+    """
+    import torch  # noqa: PLC0415
+
+    B, Sq, H, D = q.shape
+    Skv = k.shape[1]
+    cfg = {key: dict(val) for key, val in BWD_CONFIGS[D].items()}
+    if Sq > LONG_QUERIES:
+        cfg["dkdv"]["num_stages"] = 2
+    for key, val in (config or {}).items():
+        cfg[key].update(val)
+    delta = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
+    _bwd_preprocess[(triton.cdiv(Sq, 64), B * H)](o, do, delta, *_s4(o), *_s4(do), H, Sq, D=D, BM=64,
+                                                   num_warps=4)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
+    dv = torch.empty(v.shape, device=q.device, dtype=q.dtype)
+    qk_scale = sm_scale * 1.4426950408889634
+    c1 = cfg["dkdv"]
+    _bwd_dkdv_kernel[(triton.cdiv(Skv, c1["BN"]), B * H)](
+        q, k, v, do, dk, dv, lse2, m2 if m2 is not None else lse2, delta,
+        *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dk), *_s4(dv),
+        H, Sq, Skv, qk_scale, sm_scale, D=D, QUANT_P=quant_p, **c1)
+    c2 = cfg["dq"]
+    _bwd_dq_kernel[(triton.cdiv(Sq, c2["BM"]), B * H)](
+        q, k, v, do, dq, lse2, delta,
+        *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dq),
+        H, Sq, Skv, qk_scale, sm_scale, D=D, **c2)
+    return dq, dk, dv

@@ -1,0 +1,333 @@
+"""``attnqat bench kernels``: time every attention method and PyTorch SDPA at the Wan 2.1 shapes.
+
+Prints one table (ms, TFLOP/s, peak memory) per run and writes JSON. FLOPs are counted as
+4·B·H·Sq·Skv·D for a forward and 3.5 times that for forward+backward; every timing includes the
+quantization of BF16 inputs. ``--variants`` times the kernel variants the design was chosen from
+(tile shapes, the cost of each part of the P quantizer, the three operand formulations) and the
+quantize kernel's bandwidth against a device-to-device copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+
+import torch
+
+WAN_SHAPES = {
+    "wan1.3b-480p": dict(B=1, H=12, Sq=32760, Skv=32760, D=128),
+    "wan14b-480p": dict(B=1, H=40, Sq=32760, Skv=32760, D=128),
+    "wan1.3b-720p": dict(B=1, H=12, Sq=75600, Skv=75600, D=128),
+    "wan-cross": dict(B=1, H=12, Sq=32760, Skv=512, D=128),
+}
+METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "sage3", "attnqat", "dropin")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", nargs="+", default=list(WAN_SHAPES), choices=list(WAN_SHAPES),
+                        help="shapes to time (B, H, Sq, Skv, D given in the JSON)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
+                        help="methods to time; sdpa-* are PyTorch SDPA in BF16 with one backend")
+    parser.add_argument("--no-backward", action="store_true", help="time forwards only")
+    parser.add_argument("--rep-ms", type=float, default=300.0, help="timing budget per measurement (ms)")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time the kernel variants and the quantize kernel's bandwidth")
+    parser.add_argument("--json", default=None, help="write the results here")
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing helpers
+# ----------------------------------------------------------------------------------------------
+
+def _bench(fn, rep_ms: float) -> float:
+    """Median milliseconds of ``fn()`` (CUDA events, after warm-up)."""
+    import triton.testing  # noqa: PLC0415
+
+    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms / 4), rep=rep_ms, return_mode="median"))
+
+
+def _peak_bytes(fn) -> int:
+    """Peak device memory allocated while ``fn()`` runs, above what was allocated before."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated() - base)
+
+
+def _inputs(B, H, Sq, Skv, D, dtype=torch.bfloat16, grad=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Skv, H, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Skv, H, D, device="cuda", dtype=dtype, generator=g)
+    if grad:
+        for t in (q, k, v):
+            t.requires_grad_(True)
+    return q, k, v
+
+
+def fwd_flops(B, H, Sq, Skv, D) -> float:
+    return 4.0 * B * H * Sq * Skv * D
+
+
+def _sdpa(backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: PLC0415
+
+    backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[backend_name]
+
+    def f(q, k, v):
+        with sdpa_kernel(backend):
+            o = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                 v.transpose(1, 2))
+        return o.transpose(1, 2)
+    return f
+
+
+def _method_fn(method: str):
+    from attnqat import kernels  # noqa: PLC0415
+
+    if method.startswith("sdpa"):
+        return _sdpa(method)
+    return lambda q, k, v: kernels.triton_attention(q, k, v, method=method)
+
+
+# ----------------------------------------------------------------------------------------------
+# The table
+# ----------------------------------------------------------------------------------------------
+
+def time_method(method: str, shape: dict, backward: bool, rep_ms: float) -> dict:
+    B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
+    fn = _method_fn(method)
+    flops = fwd_flops(B, H, Sq, Skv, D)
+    if not backward:
+        q, k, v = _inputs(B, H, Sq, Skv, D)
+        with torch.no_grad():
+            ms = _bench(lambda: fn(q, k, v), rep_ms)
+            peak = _peak_bytes(lambda: fn(q, k, v))
+        del q, k, v
+        return dict(pass_="forward", ms=ms, tflops=flops / ms * 1e-9, peak_bytes=peak)
+    q, k, v = _inputs(B, H, Sq, Skv, D, grad=True)
+    do = torch.randn_like(q)
+
+    def step():
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v).backward(do)
+    ms = _bench(step, rep_ms)
+    peak = _peak_bytes(step)
+    del q, k, v, do
+    return dict(pass_="forward+backward", ms=ms, tflops=3.5 * flops / ms * 1e-9, peak_bytes=peak)
+
+
+def run_table(shapes, methods, backward: bool, rep_ms: float) -> list[dict]:
+    rows = []
+    for sname in shapes:
+        shape = WAN_SHAPES[sname]
+        for method in methods:
+            passes = [False]
+            if backward and method in ("sdpa-cudnn", "sdpa-flash", "attnqat", "dropin"):
+                passes.append(True)
+            if method == "dropin":
+                passes = [True] if backward else []
+            for bw in passes:
+                row = dict(shape=sname, **shape, method=method)
+                try:
+                    row.update(time_method(method, shape, bw, rep_ms))
+                except Exception as exc:  # report and go on: one failure must not lose the table
+                    row.update(pass_="forward+backward" if bw else "forward", error=f"{type(exc).__name__}: {exc}")
+                torch.cuda.empty_cache()
+                rows.append(row)
+                _print_row(row)
+    return rows
+
+
+def _print_row(r: dict) -> None:
+    if "error" in r:
+        print(f"{r['shape']:14s} {r['method']:11s} {r['pass_']:17s} ERROR {r['error'][:80]}", flush=True)
+    else:
+        print(f"{r['shape']:14s} {r['method']:11s} {r['pass_']:17s} {r['ms']:9.2f} ms {r['tflops']:7.1f} TFLOP/s "
+              f"{r['peak_bytes'] / 2**30:7.2f} GiB", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants (how the design was chosen)
+# ----------------------------------------------------------------------------------------------
+
+def time_quantize(rep_ms: float) -> list[dict]:
+    """Quantize kernel bandwidth (bytes read + written) at the Wan 1.3B shape vs a device copy."""
+    from . import quantize as kq  # noqa: PLC0415
+
+    B, S, H, D = 1, 32760, 12, 128
+    x = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
+    n = x.numel()
+    big = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
+    big2 = torch.empty_like(big)
+    copy_ms = _bench(lambda: big2.copy_(big), rep_ms)
+    copy_bw = 2 * big.numel() / copy_ms * 1e-6
+    rows = [dict(name="device copy 256 MiB", ms=copy_ms, gbps=copy_bw, pct=100.0)]
+    cases = [
+        ("Q along head_dim -> packed", lambda: kq.quantize_nvfp4(x, -1), 2 * n + n // 2 + n // 16),
+        ("V along tokens -> packed", lambda: kq.quantize_nvfp4(x, 1), 2 * n + n // 2 + n // 16),
+        ("Q along head_dim -> bf16 values", lambda: kq.fake_quantize_nvfp4(x, -1), 4 * n),
+        ("V along tokens -> bf16 values", lambda: kq.fake_quantize_nvfp4(x, 1), 4 * n),
+    ]
+    for tile in ((32, 128, 4, 1), (64, 128, 8, 1)):
+        cases.append((f"Q along head_dim -> bf16, tile {tile}",
+                      lambda tile=tile: kq._launch(x, -1, False, torch.bfloat16, tile=tile), 4 * n))
+    for tile in ((512, 16, 4, 1), (64, 16, 1, 4), (64, 16, 1, 2), (128, 16, 2, 2)):
+        cases.append((f"V along tokens -> packed, tile {tile}",
+                      lambda tile=tile: kq._launch(x, 1, True, None, tile=tile), 2 * n + n // 2 + n // 16))
+        cases.append((f"V along tokens -> bf16, tile {tile}",
+                      lambda tile=tile: kq._launch(x, 1, False, torch.bfloat16, tile=tile), 4 * n))
+    for name, fn, nbytes in cases:
+        ms = min(_bench(fn, rep_ms), _bench(fn, rep_ms))  # timed twice: the spread is noise
+        bw = nbytes / ms * 1e-6
+        rows.append(dict(name=name, ms=ms, gbps=bw, pct=100.0 * bw / copy_bw))
+    for r in rows:
+        print(f"  {r['name']:36s} {r['ms'] * 1e3:8.1f} us {r['gbps']:8.0f} GB/s {r['pct']:6.1f}% of copy", flush=True)
+    return rows
+
+
+def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
+    """Forward variants at one shape: plain online softmax (no P quantizer), each part of the P
+    quantizer alone, the full quantizer, tile configurations and the three operand formulations."""
+    from . import attention_fwd as F  # noqa: PLC0415
+    from . import quantize as kq  # noqa: PLC0415
+
+    shape = shape or WAN_SHAPES["wan1.3b-480p"]
+    B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
+    q, k, v = _inputs(B, H, Sq, Skv, D)
+    qf, kf, vf = kq.fake_quantize_nvfp4(q, -1), kq.fake_quantize_nvfp4(k, -1), kq.fake_quantize_nvfp4(v, 1)
+    packed = (kq.quantize_nvfp4(q, -1), kq.quantize_nvfp4(k, -1), kq.quantize_nvfp4(v, 1))
+    from .sage3 import sage3_prepare  # noqa: PLC0415
+    bias = sage3_prepare(q, k, v)[3]
+    prep_ms = _bench(lambda: sage3_prepare(q, k, v), rep_ms / 3)
+    print(f"  {'sage3 preparation (means, bias, quantize)':48s} {prep_ms:8.2f} ms", flush=True)
+    flops = fwd_flops(B, H, Sq, Skv, D)
+    scale = D ** -0.5
+    rows = []
+    s2, s3 = dict(BM=128, num_warps=8, num_stages=2), dict(BM=128, num_warps=8, num_stages=3)
+    cases = [
+        ("no P quantizer           BM128/w8/s3", dict(p_mode=F.P_NONE, config=s3)),
+        ("block max + scale only   BM128/w8/s3", dict(p_mode=F.P_AMAX_ONLY, config=s3)),
+        ("element rounding only    BM128/w8/s3", dict(p_mode=F.P_ROUND_ONLY, config=s3)),
+        ("nvfp4                    BM128/w8/s2", dict(p_mode=F.P_NVFP4, config=s2)),
+        ("nvfp4                    BM128/w8/s3", dict(p_mode=F.P_NVFP4, config=s3), True),
+        ("nvfp4 + O' + stats       BM128/w8/s3", dict(p_mode=F.P_NVFP4, need_o2=True, store_stats=True,
+                                                  config=s3), True),
+        ("sage3 P quantizer        BM128/w8/s3", dict(p_mode=F.P_SAGE3, config=s3)),
+        ("sage3 P quantizer + bias BM128/w8/s3", dict(p_mode=F.P_SAGE3, config=s3, bias=bias)),
+        ("packed, dequant in regs  BM128/w8/s3", dict(p_mode=F.P_NVFP4, packed=packed, formulation=1,
+                                                  config=s3), True),
+    ]
+    from attnqat import reference as ref  # noqa: PLC0415
+    for case in cases:
+        name, kw, check = case[0], case[1], len(case) > 2
+        row = dict(name=name.strip())
+        try:
+            fn = lambda kw=kw: F.attention_forward(qf, kf, vf, sm_scale=scale, **kw)  # noqa: E731
+            o = fn()[0]
+            ms = _bench(fn, rep_ms)
+            row.update(ms=ms, tflops=flops / ms * 1e-9)
+            if check:
+                # correctness at this size: 256 query rows of head 0 against the chunked reference
+                qs = slice(0, 256)
+                f = ref.fp4_forward(q[:, qs, :1].transpose(1, 2).float(), k[:, :, :1].transpose(1, 2).float(),
+                                    v[:, :, :1].transpose(1, 2).float(), scale, "nvfp4")
+                err = (o[:, qs, :1].float() - f.o.transpose(1, 2)).norm() / f.o.norm()
+                row["rel_err"] = float(err)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+        if "error" in row:
+            print(f"  {row['name']:48s} ERROR {row['error'][:120]}", flush=True)
+        else:
+            extra = f"  rel.err {row['rel_err']:.2e}" if "rel_err" in row else ""
+            print(f"  {row['name']:48s} {row['ms']:8.2f} ms {row['tflops']:7.1f} TFLOP/s{extra}", flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def time_backward_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
+    """The attnqat backward alone (D, dK/dV, dQ launches) under several tile configurations."""
+    from . import attention_bwd as Bw  # noqa: PLC0415
+    from . import attention_fwd as F  # noqa: PLC0415
+    from . import quantize as kq  # noqa: PLC0415
+
+    shape = shape or WAN_SHAPES["wan1.3b-480p"]
+    B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
+    q, k, v = _inputs(B, H, Sq, Skv, D)
+    qf, kf, vf = kq.fake_quantize_nvfp4(q, -1), kq.fake_quantize_nvfp4(k, -1), kq.fake_quantize_nvfp4(v, 1)
+    _, o2, lse2, m2 = F.attention_forward(qf, kf, vf, sm_scale=D ** -0.5, need_o2=True, store_stats=True)
+    do = torch.randn_like(q)
+    flops = 2.5 * fwd_flops(B, H, Sq, Skv, D)
+    rows = []
+    dkdv = [dict(BM=64, BN=128, num_warps=8, num_stages=1), dict(BM=64, BN=128, num_warps=8, num_stages=2)]
+    dq = [dict(BM=128, BN=64, num_warps=8, num_stages=2), dict(BM=64, BN=128, num_warps=4, num_stages=2)]
+    cases = [(f"dkdv {c}", dict(dkdv=c)) for c in dkdv] + [(f"dq {c}", dict(dq=c)) for c in dq]
+    cases += [("dropin (no P quantizer) default tiles", None)]
+    for name, cfg in cases:
+        row = dict(name=name)
+        try:
+            if cfg is None:
+                fn = lambda: Bw.attention_backward(q, k, v, o2, do, lse2, None, sm_scale=D ** -0.5,  # noqa: E731
+                                                   quant_p=False)
+            else:
+                fn = lambda cfg=cfg: Bw.attention_backward(qf, kf, vf, o2, do, lse2, m2,  # noqa: E731
+                                                           sm_scale=D ** -0.5, quant_p=True, config=cfg)
+            ms = _bench(fn, rep_ms)
+            row.update(ms=ms, tflops=flops / ms * 1e-9)
+            print(f"  {name:72s} {ms:8.2f} ms {row['tflops']:7.1f} TFLOP/s (2.5x fwd flops)", flush=True)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"  {name:72s} ERROR {row['error'][:120]}", flush=True)
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _versions() -> dict:
+    import triton  # noqa: PLC0415
+
+    return dict(torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+                gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()))
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("attnqat bench kernels: needs a CUDA GPU (none is visible)", file=sys.stderr)
+        return 2
+    result = dict(date=time.strftime("%Y-%m-%d"), command=" ".join(["attnqat"] + sys.argv[1:]),
+                  versions=_versions(), flops="4*B*H*Sq*Skv*D forward; 3.5x for forward+backward",
+                  shapes={k: WAN_SHAPES[k] for k in args.shapes})
+    print(f"# {result['versions']['gpu']}  torch {torch.__version__}  triton {result['versions']['triton']}", flush=True)
+    if args.variants:
+        print("## quantize kernel", flush=True)
+        result["quantize"] = time_quantize(args.rep_ms / 3)
+        print("## forward variants (wan1.3b-480p)", flush=True)
+        result["variants"] = time_variants(args.rep_ms)
+        print("## backward variants (wan1.3b-480p)", flush=True)
+        result["backward_variants"] = time_backward_variants(args.rep_ms)
+    print("## methods", flush=True)
+    result["rows"] = run_table(args.shapes, args.methods, not args.no_backward, args.rep_ms)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+    print("\n| shape | method | pass | ms | TFLOP/s | peak GiB |\n|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['method']} | {r['pass_']} | error | | |")
+        else:
+            print(f"| {r['shape']} | {r['method']} | {r['pass_']} | {r['ms']:.2f} | {r['tflops']:.0f} | "
+                  f"{r['peak_bytes'] / 2**30:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))
