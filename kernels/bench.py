@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rep-ms", type=float, default=300.0, help="timing budget per measurement (ms)")
     parser.add_argument("--variants", action="store_true",
                         help="also time the kernel variants and the quantize kernel's bandwidth")
+    parser.add_argument("--quantize-sweep", action="store_true",
+                        help="only sweep the packed quantize kernel's tiles (each checked bit-identical "
+                             "to the default) and report bandwidth against a device copy")
     parser.add_argument("--json", default=None, help="write the results here")
 
 
@@ -192,6 +195,37 @@ def time_quantize(rep_ms: float) -> list[dict]:
     return rows
 
 
+def sweep_quantize_tiles(rep_ms: float) -> dict:
+    """Every packed-quantize tile (rows, positions, warps, sub-tiles) at the Wan 1.3B shape,
+    checked bit-identical to the default tile before it is timed; bandwidth as a share of a copy."""
+    import itertools  # noqa: PLC0415
+
+    from . import quantize as kq  # noqa: PLC0415
+
+    x = torch.randn(1, 32760, 12, 128, device="cuda", dtype=torch.bfloat16)
+    n = x.numel()
+    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    big2 = torch.empty_like(big)
+    copy_bw = 2 * big.numel() / _bench(lambda: big2.copy_(big), rep_ms) * 1e-6
+    nbytes = 2 * n + n // 2 + n // 16
+    tiles = {1: [(tr, 16, w, s) for tr, w, s in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 4))],
+             -1: [(tr, 128, w, 1) for tr, w in itertools.product((8, 16, 32, 64), (1, 2, 4, 8))]}
+    rows, best = [], {}
+    for d, cands in tiles.items():
+        ref = kq.quantize_nvfp4(x, d)
+        for tile in cands:
+            _, codes, scales, _ = kq._launch(x, d, True, None, tile=tile)
+            same = torch.equal(codes, ref.codes) and torch.equal(scales, ref.scales.view(torch.uint8))
+            ms = _bench(lambda tile=tile: kq._launch(x, d, True, None, tile=tile), rep_ms)
+            pct = 100.0 * nbytes / ms * 1e-6 / copy_bw
+            rows.append(dict(dim=d, tile=list(tile), us=ms * 1e3, pct=pct, identical=same))
+            print(f"  dim {d:2d} tile {tile}  {ms * 1e3:7.1f} us  {pct:5.1f}% of copy  identical={same}", flush=True)
+            if same and pct > best.get(d, {}).get("pct", 0.0):
+                best[d] = dict(tile=list(tile), pct=pct)
+    print(f"  best: {best}  (copy {copy_bw:.0f} GB/s)", flush=True)
+    return dict(copy_gbps=copy_bw, rows=rows, best=best)
+
+
 def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
     """Forward variants at one shape: plain online softmax (no P quantizer), each part of the P
     quantizer alone, the full quantizer, tile configurations and the three operand formulations."""
@@ -305,6 +339,12 @@ def run(args: argparse.Namespace) -> int:
                   versions=_versions(), flops="4*B*H*Sq*Skv*D forward; 3.5x for forward+backward",
                   shapes={k: WAN_SHAPES[k] for k in args.shapes})
     print(f"# {result['versions']['gpu']}  torch {torch.__version__}  triton {result['versions']['triton']}", flush=True)
+    if args.quantize_sweep:
+        result["quantize_sweep"] = sweep_quantize_tiles(30.0)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(result, fh, indent=1)
+        return 0
     if args.variants:
         print("## quantize kernel", flush=True)
         result["quantize"] = time_quantize(args.rep_ms / 3)
