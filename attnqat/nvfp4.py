@@ -23,8 +23,9 @@ Behaviour at the edges (decided here, tested in ``tests/test_nvfp4.py``):
   element of that block dequantizes to NaN. Other blocks are unaffected. (Silently saturating an
   Inf to ±6·448 would hide an overflow upstream; NaN makes it visible and is what an unquantized
   matmul would have produced too.)
-* Sign: the code's sign bit is set iff ``x < 0``; -0.0 gives code 0. A small negative value that
-  rounds to magnitude 0 keeps its sign bit (code 0b1000, "-0"), as hardware conversions do.
+* Sign: the code's sign bit is ``x``'s sign bit, as hardware conversions keep it: a small negative
+  value that rounds to magnitude 0, and -0.0 itself, give code 0b1000 ("-0", dequantized -0.0).
+  (Only blocks with a zero or NaN scale write code 0 for every element.)
 * A quantized dimension whose length is not a multiple of 16 is padded with zeros for the block
   computation; zeros never raise a block's amax, so padding never changes a real element's scale.
 
@@ -72,7 +73,7 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     a = y.abs()
     step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
     mag = torch.clamp(torch.round(a / step) * step, max=E2M1_MAX)
-    return torch.where(y < 0, -mag, mag)
+    return torch.where(torch.signbit(y), -mag, mag)
 
 
 def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
@@ -152,10 +153,14 @@ def fake_quantize_nvfp4(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 class NVFP4Tensor:
     """A tensor quantized to NVFP4 along one dimension.
 
-    ``codes``  uint8, packed two per byte (low nibble first), shape ``(*rest, padded_len // 2)``
-    ``scales`` float8_e4m3fn (NaN for non-finite blocks), shape ``(*rest, padded_len // 16)``
-    where ``rest`` is the original shape without ``dim`` (other dimensions in their original order)
-    and ``padded_len`` is the length of ``dim`` rounded up to a multiple of 16.
+    ``codes``  uint8, packed two per byte along ``dim`` (low nibble first)
+    ``scales`` float8_e4m3fn (NaN for non-finite blocks)
+    Both keep the original tensor's axis order and sizes except along ``dim``, whose length
+    becomes ``padded_len // 2`` for the codes and ``padded_len // 16`` for the scales
+    (``padded_len``: the length of ``dim`` rounded up to a multiple of 16). Quantized along the
+    last axis, a row's codes are contiguous; quantized along another axis (V along tokens in
+    (batch, seq, heads, dim)), a byte holds two consecutive positions of that axis and the
+    other axes stay contiguous, the ``[K/2, N]`` right operand ``tl.dot_scaled`` takes.
     ``shape`` and ``dim`` describe the original tensor; ``dim`` is non-negative.
     """
 
@@ -168,12 +173,13 @@ class NVFP4Tensor:
         return self.scales.to(torch.float32)
 
     def unpacked_codes(self) -> torch.Tensor:
-        """uint8 codes (0..15), shape ``(*rest, padded_len)``."""
-        return unpack_nibbles(self.codes)
+        """uint8 codes (0..15), the original shape with ``dim`` padded to ``padded_len``."""
+        return unpack_nibbles(self.codes.movedim(self.dim, -1)).movedim(-1, self.dim)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        vals = e2m1_decode(self.unpacked_codes())
-        vals = vals.reshape(*vals.shape[:-1], -1, BLOCK) * self.scales_float().unsqueeze(-1)
+        vals = e2m1_decode(unpack_nibbles(self.codes.movedim(self.dim, -1)))
+        scales = self.scales_float().movedim(self.dim, -1)
+        vals = vals.reshape(*vals.shape[:-1], -1, BLOCK) * scales.unsqueeze(-1)
         vals = vals.reshape(*vals.shape[:-2], -1)[..., : self.shape[self.dim]]
         return vals.movedim(-1, self.dim).to(dtype)
 
@@ -208,4 +214,5 @@ def quantize_nvfp4(x: torch.Tensor, dim: int = -1) -> NVFP4Tensor:
     codes = e2m1_encode(q).reshape(*q.shape[:-2], -1)
     # Exact: every finite scale is an E4M3 value in [0, 448]; NaN maps to the E4M3 NaN.
     scales = scale.to(torch.float8_e4m3fn)
-    return NVFP4Tensor(codes=pack_nibbles(codes), scales=scales, shape=x.shape, dim=d)
+    return NVFP4Tensor(codes=pack_nibbles(codes).movedim(-1, d).contiguous(),
+                       scales=scales.movedim(-1, d).contiguous(), shape=x.shape, dim=d)

@@ -150,7 +150,7 @@ def dequant_tile(codes, scales, R: tl.constexpr, C: tl.constexpr, dtype: tl.cons
 def _fwd_tile(acc, acc2, l_i, m_i, q, q_sc,
               K, Kc, Ks, V, Vc, Vs, BIAS,
               start_n, Skv, qk_scale,
-              skn, skd, svn, svd, skcn, sksn, svcd, svsd,
+              skn, skd, svn, svd, skcn, sksn, svct, svst,
               offs_d, BM: tl.constexpr, BN: tl.constexpr, D: tl.constexpr,
               P_MODE: tl.constexpr, NEED_O2: tl.constexpr, HAS_BIAS: tl.constexpr,
               FORMULATION: tl.constexpr, MASK: tl.constexpr):
@@ -207,24 +207,25 @@ def _fwd_tile(acc, acc2, l_i, m_i, q, q_sc,
             acc2 = acc2 * alpha[:, None]
             acc2 = mma(cast(p - pq, v.dtype), v, acc2)
     else:
-        # V is packed along tokens: codes (D, S/2) and scales (D, S/16) per (batch, head)
+        # V is packed along tokens in its own layout: codes (S/2, D) and scales (S/16, D) per
+        # (batch, head), channels contiguous (tl.dot_scaled's [K/2, N] right operand)
         offs_t = start_n // 2 + tl.arange(0, BN // 2)
         offs_tb = start_n // 16 + tl.arange(0, BN // 16)
-        vc_ptrs = Vc + offs_d[None, :] * svcd + offs_t[:, None]       # [BN/2, D]
-        vs_ptrs = Vs + offs_d[:, None] * svsd + offs_tb[None, :]      # [D, BN/16]
+        vc_ptrs = Vc + offs_t[:, None] * svct + offs_d[None, :]       # [BN/2, D]
+        vs_ptrs = Vs + offs_tb[:, None] * svst + offs_d[None, :]      # [BN/16, D]
         if MASK:
             vc = tl.load(vc_ptrs, mask=(offs_t * 2 < Skv)[:, None], other=0)
-            vs = tl.load(vs_ptrs, mask=(offs_tb * 16 < Skv)[None, :], other=0.0)
+            vs = tl.load(vs_ptrs, mask=(offs_tb * 16 < Skv)[:, None], other=0.0)
         else:
             vc = tl.load(vc_ptrs)
             vs = tl.load(vs_ptrs)
         acc = acc * alpha[:, None]
         if FORMULATION == 1:
-            vt = dequant_tile(tl.trans(vc), vs, D, BN, tl.bfloat16)   # [D, BN]
+            vt = dequant_tile(tl.trans(vc), tl.trans(vs), D, BN, tl.bfloat16)   # [D, BN]
             acc = mma(quantize_p_rows(p, BM, BN, P_MODE).to(tl.bfloat16), tl.trans(vt), acc)
         else:
             pc, ps = p_codes_and_scales(p, BM, BN)
-            acc = tl.dot_scaled(pc, ps, "e2m1", vc, vs, "e2m1", acc)
+            acc = tl.dot_scaled(pc, ps, "e2m1", vc, tl.trans(vs), "e2m1", acc)
     return acc, acc2, l_i, m_new
 
 
@@ -242,7 +243,7 @@ def attn_fwd_kernel(
     sob, sos, soh, sod,
     sqcb, sqcs, sqch, sqsb, sqss, sqsh,
     skcb, skcs, skch, sksb, skss, sksh,
-    svcb, svch, svcd, svsb, svsh, svsd,
+    svcb, svcs, svch, svsb, svss, svsh,
     H, Sq, Skv, qk_scale, n_qblk_bias,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     P_MODE: tl.constexpr, NEED_O2: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -293,12 +294,12 @@ def attn_fwd_kernel(
     for start_n in range(0, n_full, BN):
         acc, acc2, l_i, m_i = _fwd_tile(
             acc, acc2, l_i, m_i, q, q_sc, K, Kc, Ks, V, Vc, Vs, BIAS, start_n, Skv, qk_scale,
-            sks, skd, svs, svd, skcs, skss, svcd, svsd, offs_d,
+            sks, skd, svs, svd, skcs, skss, svcs, svss, offs_d,
             BM, BN, D, P_MODE, NEED_O2, HAS_BIAS, FORMULATION, False)
     if n_full < Skv:  # the ragged last tile: keys beyond Skv masked out
         acc, acc2, l_i, m_i = _fwd_tile(
             acc, acc2, l_i, m_i, q, q_sc, K, Kc, Ks, V, Vc, Vs, BIAS, n_full, Skv, qk_scale,
-            sks, skd, svs, svd, skcs, skss, svcd, svsd, offs_d,
+            sks, skd, svs, svd, skcs, skss, svcs, svss, offs_d,
             BM, BN, D, P_MODE, NEED_O2, HAS_BIAS, FORMULATION, True)
 
     if P_MODE == 2:

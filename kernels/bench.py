@@ -208,8 +208,8 @@ def sweep_quantize_tiles(rep_ms: float) -> dict:
     big2 = torch.empty_like(big)
     copy_bw = 2 * big.numel() / _bench(lambda: big2.copy_(big), rep_ms) * 1e-6
     nbytes = 2 * n + n // 2 + n // 16
-    tiles = {1: [(tr, 16, w, s) for tr, w, s in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 4))],
-             -1: [(tr, 128, w, 1) for tr, w in itertools.product((8, 16, 32, 64), (1, 2, 4, 8))]}
+    tiles = {1: [(tr, 16, w, s) for tr, w, s in itertools.product((64, 128, 256, 512), (1, 2, 4), (1, 2))],
+             -1: [(tr, 128, w, 1) for tr, w in itertools.product((16, 32, 64), (2, 4, 8))]}
     rows, best = [], {}
     for d, cands in tiles.items():
         ref = kq.quantize_nvfp4(x, d)

@@ -15,8 +15,9 @@ floating-point cast to FP8 or on a division other than IEEE ``div_rn``:
 
 Any 1- to 4-dimensional tensor and any quantized axis: the kernel reads the input through its
 strides (a (batch, seq, heads, dim) view quantized along ``seq`` — V along tokens — is read in
-place, no transposed copy) and writes the NVFP4Tensor layout (quantized axis last, other axes in
-their original order) and/or the dequantized values in the input's shape.
+place, no transposed copy) and writes the NVFP4Tensor layout (the input's axis order, the quantized
+axis halved for the codes and divided by 16 for the scales: V's codes rows are then as contiguous
+as its input rows) and/or the dequantized values in the input's shape.
 """
 
 from __future__ import annotations
@@ -166,21 +167,22 @@ def _quantize_subtile(X, Y, SHIFT, x_base, y_base, sh_base, rows, row_ok, col0, 
     two_e_bits = tl.maximum(q, 1.0).to(tl.int32, bitcast=True) & 0x7F800000
     two_e = two_e_bits.to(tl.float32, bitcast=True)
     t = tl.fma(two_e, 6291456.0, q)
-    sign = bits & (abits + 0x7FFFFFFF) & umask           # bit 31: x < 0, x != 0, usable block
 
     packed = tl.zeros([TR, TL // 2], tl.uint8)      # (unused without WRITE_PACKED)
     sbits = tl.zeros([TR, TL // 16], tl.uint8)
     if WRITE_PACKED:
         # the code is k + 2e (k = steps above M, read from the bits of t), saturated at 7
         code = tl.minimum(t.to(tl.int32, bitcast=True) - two_e_bits + (two_e_bits >> 22) - 188743934, 7)
-        code = code | ((sign.to(tl.uint32, bitcast=True) >> 28) & 8).to(tl.int32)
+        # sign: bit 31 of x moved to bit 3 (arithmetic shift), kept in usable blocks only
+        code = code | ((bits >> 28) & tl.where(usable, 8, 0)[:, :, None])
         lo, hi = tl.split(tl.reshape(code, [TR, TL // 2, 2]))
         packed = (lo | (hi << 4)).to(tl.uint8)
         sbits = tl.where(finite, e4m3_bits(s), 0x7F).to(tl.uint8)  # 0x7F: the E4M3 NaN
     if WRITE_DEQUANT:
         mag = tl.minimum(tl.fma(two_e, -6291456.0, t), 6.0)
         val = mag * tl.where(finite, s, float("nan"))[:, :, None]  # NaN block → NaN values
-        val = (val.to(tl.int32, bitcast=True) | (sign & -2147483648)).to(tl.float32, bitcast=True)
+        sign = bits & umask & -2147483648                  # x's sign bit, usable blocks only
+        val = (val.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
         y_ptrs = Y + y_base + rows[:, None] * sy2 + cols[None, :] * syl
         val = tl.reshape(val, [TR, TL]).to(Y.dtype.element_ty)
         if EVEN:
@@ -202,6 +204,8 @@ def _quantize_nvfp4_kernel(
     R0R1, R1, R2, L, n_rtiles,
     sx0, sx1, sx2, sxl,
     sy0, sy1, sy2, syl,
+    sc0, sc1, sc2, scl,
+    sk0, sk1, sk2, skl,
     ss0, ss1, ss2, shift_group,
     TR: tl.constexpr, TL: tl.constexpr, SUB: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_DEQUANT: tl.constexpr,
@@ -210,8 +214,8 @@ def _quantize_nvfp4_kernel(
     """One program quantizes a [TR, SUB·TL] tile: TR consecutive indices of the innermost
     non-quantized axis r2 at one (r0, r1), and SUB·TL positions along the quantized axis (length
     L, zero-padded to a multiple of 16), in SUB (1, 2 or 4) sub-tiles whose codes are stored
-    together (SUB > 1 when the quantized axis is the strided one: longer code rows per store). Codes/scales rows are
-    ((r0·R1 + r1)·R2 + r2), with Lp/2 and Lp/16 entries (Lp = L rounded up to 16). With HAS_SHIFT
+    together. Codes and scales are written through their own strides (sc*, sk*; the last one along
+    the quantized axis), Lp/2 and Lp/16 entries along it (Lp = L rounded up to 16). With HAS_SHIFT
     the float32 SHIFT[r0, r1 // shift_group, r2, l] is subtracted first (sage3's smoothing)."""
     pid = tl.program_id(0)
     pid_l = tl.program_id(1)
@@ -245,19 +249,20 @@ def _quantize_nvfp4_kernel(
             sbits = _cat_cols(_cat_cols(sbits, s1, TR, TL // 16), _cat_cols(s2, s3, TR, TL // 16), TR, TL // 8)
 
     if WRITE_PACKED:
-        out_row = (r01.to(tl.int64) * R2 + rows)[:, None]
         nbyte = (L + 15) // 16 * 8                        # Lp / 2
         nblk = (L + 15) // 16
         ccols = col0 // 2 + tl.arange(0, TL * SUB // 2)
         scols = col0 // 16 + tl.arange(0, TL * SUB // 16)
+        c_ptrs = (CODES + r0.to(tl.int64) * sc0 + r1.to(tl.int64) * sc1 + rows[:, None] * sc2
+                  + ccols[None, :] * scl)
+        s_ptrs = (SCALES + r0.to(tl.int64) * sk0 + r1.to(tl.int64) * sk1 + rows[:, None] * sk2
+                  + scols[None, :] * skl)
         if EVEN:
-            tl.store(CODES + out_row * nbyte + ccols[None, :], packed)
-            tl.store(SCALES + out_row * nblk + scols[None, :], sbits)
+            tl.store(c_ptrs, packed)
+            tl.store(s_ptrs, sbits)
         else:
-            tl.store(CODES + out_row * nbyte + ccols[None, :], packed,
-                     mask=row_ok[:, None] & (ccols < nbyte)[None, :])
-            tl.store(SCALES + out_row * nblk + scols[None, :], sbits,
-                     mask=row_ok[:, None] & (scols < nblk)[None, :])
+            tl.store(c_ptrs, packed, mask=row_ok[:, None] & (ccols < nbyte)[None, :])
+            tl.store(s_ptrs, sbits, mask=row_ok[:, None] & (scols < nblk)[None, :])
 
 
 def _collapse(shape, *stride_lists):
@@ -298,12 +303,20 @@ def _launch(x: torch.Tensor, dim: int, packed: bool, dequant_dtype: torch.dtype 
     Lp = (L + BLOCK - 1) // BLOCK * BLOCK
     rest = [i for i in range(x.dim()) if i != d]
     rest_shape = [x.shape[i] for i in rest]
-    y = None
+    y = codes = scales = None
     if dequant_dtype is not None:
         y = torch.empty(x.shape, dtype=dequant_dtype, device=x.device)
+    if packed:   # the NVFP4Tensor layout: x's axis order, the quantized axis shortened
+        codes = torch.empty(x.shape[:d] + (Lp // 2,) + x.shape[d + 1:], dtype=torch.uint8, device=x.device)
+        scales = torch.empty(x.shape[:d] + (Lp // BLOCK,) + x.shape[d + 1:], dtype=torch.uint8,
+                             device=x.device)
     ys = y.stride() if y is not None else x.stride()
+    cs = codes.stride() if packed else x.stride()     # (x's strides: placeholders that merge alike)
+    ks = scales.stride() if packed else x.stride()
     if shift is None:
-        (n0, n1, n2), (xs, yst) = _collapse(rest_shape, [x.stride(i) for i in rest], [ys[i] for i in rest])
+        (n0, n1, n2), (xs, yst, cst, kst) = _collapse(
+            rest_shape, [x.stride(i) for i in rest], [ys[i] for i in rest], [cs[i] for i in rest],
+            [ks[i] for i in rest])
         sst = (0, 0, 0)
     else:
         # (B, S, H, D) along D minus shift (B, ceil(S / shift_group), H, D) float32, contiguous D
@@ -313,25 +326,26 @@ def _launch(x: torch.Tensor, dim: int, packed: bool, dequant_dtype: torch.dtype 
         n0, n1, n2 = rest_shape
         xs = [x.stride(i) for i in rest]
         yst = [ys[i] for i in rest]
+        cst = [cs[i] for i in rest]
+        kst = [ks[i] for i in rest]
         sst = shift.stride()[:3]
-    codes = scales = None
-    if packed:
-        codes = torch.empty(*rest_shape, Lp // 2, dtype=torch.uint8, device=x.device)
-        scales = torch.empty(*rest_shape, Lp // BLOCK, dtype=torch.uint8, device=x.device)
-    warps = 4
+    # tiles: the fastest measured on the H100 for each output (docs/kernels_notes.md)
     sub = 1
+    packed_only = packed and y is None
     if x.stride(d) == 1 or n2 == 1:
-        # quantized axis contiguous (Q, K along head_dim): 16-byte loads along the blocks
+        # quantized axis contiguous (Q, K along head_dim): 16-byte loads along the blocks; packed
+        # output: 16 rows of 128 with 2 warps, values: 32 rows with 4 warps
         TL = max(16, min(triton.next_power_of_2(L), 128))
-        TR = max(1, min(4096 // TL, triton.next_power_of_2(n2)))
+        TR = max(1, min((2048 if packed_only else 4096) // TL, triton.next_power_of_2(n2)))
+        warps = 2 if packed_only else 4
     else:
-        # rows contiguous (V along tokens in (B, S, H, D)): one warp per program, 64 channels
-        # (16-byte loads) by two 16-token sub-tiles whose codes are stored together. Measured on
-        # the H100 against 512- and 128-channel tiles and 1 or 4 sub-tiles (docs/kernels_notes.md)
+        # rows contiguous (V along tokens in (B, S, H, D)): 16 tokens by 256 channels a warp
+        # (512 channels and 2 warps for the packed output, 256 and 1 for values), so that each
+        # thread holds whole 16-token blocks of 8 channels (no shuffles) and writes rows of the
+        # input's layout (16-byte pieces, coalesced)
         TL = 16
-        TR = min(64, max(16, triton.next_power_of_2(n2)))
-        warps = 1
-        sub = 2
+        TR = min(512 if packed_only else 256, max(16, triton.next_power_of_2(n2)))
+        warps = max(1, TR // 256)
     if tile is not None:  # (TR, TL, num_warps, sub) override, for measurements
         TR, TL, warps, sub = tile
     n_rtiles = triton.cdiv(n2, TR)
@@ -340,7 +354,8 @@ def _launch(x: torch.Tensor, dim: int, packed: bool, dequant_dtype: torch.dtype 
     _quantize_nvfp4_kernel[grid](
         x, codes if packed else dummy, scales if packed else dummy, y if y is not None else dummy,
         shift if shift is not None else dummy,
-        n0 * n1, n1, n2, L, n_rtiles, *xs, x.stride(d), *yst, ys[d], *sst, shift_group,
+        n0 * n1, n1, n2, L, n_rtiles, *xs, x.stride(d), *yst, ys[d], *cst, cs[d], *kst, ks[d],
+        *sst, shift_group,
         TR=TR, TL=TL, SUB=sub, WRITE_PACKED=packed, WRITE_DEQUANT=y is not None,
         EVEN=(n2 % TR == 0) and (L % (TL * sub) == 0), HAS_SHIFT=shift is not None, num_warps=warps,
     )

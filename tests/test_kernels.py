@@ -104,7 +104,7 @@ def test_quantize_edge_cases_bit_identical():
     x[1, 40] = -float("inf")
     x[2, :16] = 0.0                              # zero block
     x[3, 5] = -1e-9                              # small negative → code 0b1000
-    x[3, 6] = -0.0
+    x[3, 6] = -0.0                               # -0.0 → code 0b1000 too
     x[4] = torch.randn(48) * 1e6                 # saturating scales (amax/6 > 448)
     x[5] = torch.randn(48) * 2.0 ** -12          # E4M3-subnormal scales
     x[6] = torch.randn(48) * 2.0 ** -20          # scales that round to zero

@@ -103,11 +103,16 @@ def test_encode_decode_all_codes():
     assert torch.equal(e2m1_encode(vals), codes)
 
 
-def test_small_negative_keeps_sign_bit_and_negative_zero_input_does_not():
-    q = quantize_nvfp4(block_with([-0.1, -0.0]))
+def test_sign_bit_follows_the_input_sign_bit():
+    """A small negative value rounding to 0 and -0.0 itself keep the sign (code 0b1000, as hardware
+    conversions do); +0.0 gives code 0; dequantized, the sign of zero survives."""
+    x = block_with([-0.1, -0.0, 0.0])
+    q = quantize_nvfp4(x)
     codes = q.unpacked_codes()
-    assert codes[0].item() == 0b1000
-    assert codes[1].item() == 0
+    assert codes[:3].tolist() == [0b1000, 0b1000, 0]
+    deq = q.dequantize(torch.float32)
+    assert torch.signbit(deq[:2]).all() and not torch.signbit(deq[2])
+    assert torch.equal(torch.signbit(fake_quantize_nvfp4(x)[:3]), torch.tensor([True, True, False]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,7 +246,13 @@ def test_any_dim_any_dtype_and_round_trip(dtype, dim):
     assert isinstance(q, NVFP4Tensor)
     assert q.codes.dtype == torch.uint8 and q.scales.dtype == torch.float8_e4m3fn
     padded = -(-x.shape[dim] // 16) * 16
-    assert q.codes.shape[-1] == padded // 2 and q.scales.shape[-1] == padded // 16
+    d = dim % x.dim()
+    # x's own axis order; only the quantized axis shrinks (two codes a byte, one scale per 16)
+    assert q.codes.shape == x.shape[:d] + (padded // 2,) + x.shape[d + 1:]
+    assert q.scales.shape == x.shape[:d] + (padded // 16,) + x.shape[d + 1:]
+    assert q.codes.is_contiguous() and q.scales.is_contiguous()
+    assert torch.equal(q.unpacked_codes().movedim(d, -1),
+                       quantize_nvfp4(x.movedim(d, -1), -1).unpacked_codes())
     assert torch.equal(q.dequantize(dtype), fq)
     # dequantized NVFP4 values are exact in bf16 / fp16: fake quant in fp32 then cast is lossless
     fq32 = fake_quantize_nvfp4(x.float(), dim=dim)
@@ -296,6 +307,6 @@ def test_values_are_on_block_grid(shape, dim):
     q = quantize_nvfp4(x, dim=dim)
     fq = fake_quantize_nvfp4(x, dim=dim).movedim(dim, -1)
     n = fq.shape[-1]
-    s = q.scales_float().repeat_interleave(16, dim=-1)[..., :n]
+    s = q.scales_float().movedim(dim, -1).repeat_interleave(16, dim=-1)[..., :n]
     ratio = torch.where(s > 0, fq / s, torch.zeros_like(fq))
     assert torch.isin(ratio.abs(), torch.tensor(E2M1_VALUES)).all()
