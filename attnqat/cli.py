@@ -57,6 +57,9 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
         Command("data", "attnqat.finetune.synthetic",
                 "write sample clips (mp4) and captions of the synthetic shapes data set, from the "
                 "training stream or the fixed held-out prompts"),
+        Command("tiny", "attnqat.finetune.tiny_train",
+                "train the embedded tiny model (VAE, text encoder, transformer) on the synthetic "
+                "shapes data, and score it on the held-out prompts (GPU for training)"),
     ]),
 }
 

@@ -50,7 +50,9 @@ from .wan import (DEFAULT_MODEL, FP4_SCOPES, ModelInfo, WanModels, default_shift
 GENERATION_METHODS = ("bf16", "nvfp4", "sage3", "attnqat")
 #: attention method each slot runs at inference
 SLOT_ATTENTION = {"bf16": "bf16", "nvfp4": "nvfp4", "sage3": "sage3", "attnqat": "nvfp4"}
-MAX_SEQUENCE_LENGTH = 512  # Wan 2.1 pads the text to 512 tokens
+#: Wan 2.1 pads the prompt embeddings to 512 tokens; a model folder's sidecar may set its own
+#: ``max_sequence_length`` default (the embedded tiny model: 32, see docs/tiny_model.md)
+MAX_SEQUENCE_LENGTH = 512
 
 
 class GenerationError(ValueError):
@@ -253,7 +255,8 @@ def resolve_settings(prompt: str, *, negative_prompt: str | None = None,
         frames=_int("--frames", frames if frames is not None else d["frames"]),
         fps=_number("--fps", fps if fps is not None else d["fps"]), model=info.source,
         qat_transformer=qat, device=str(dev), fp4_scope=fp4_scope, backend=backend,
-        offload=bool(offload), out=out_s, overwrite=bool(overwrite))
+        offload=bool(offload), out=out_s, overwrite=bool(overwrite),
+        max_sequence_length=int(d.get("max_sequence_length", MAX_SEQUENCE_LENGTH)))
     return settings, info
 
 

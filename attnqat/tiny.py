@@ -17,9 +17,14 @@ it, that transformer is a copy of the base transformer's weights and its ``attnq
 Both folders carry an ``attnqat.json`` sidecar (ignored by diffusers) with the model's generation
 defaults, the seed it was built from and a note on where its weights come from.
 
-Rebuild them deterministically::
+The shipped weights are trained on the synthetic shapes data by ``attnqat finetune tiny``
+(:mod:`attnqat.finetune.tiny_train`, ``docs/tiny_model.md``), which starts from
+:func:`build_tiny_pipeline` and writes the folders with :func:`save_pipeline`. A random
+initialization of the same architecture (what training starts from) is written by::
 
-    python -m attnqat.tiny --out assets/tiny-wan --qat-out assets/tiny-wan-qat --seed 0
+    python -m attnqat.tiny --out DIR --qat-out DIR-qat --seed 0
+
+which refuses to replace trained weights unless ``--force`` is given.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ SHAPES = ("circle", "square", "triangle")
 COLOURS = ("red", "green", "blue", "yellow", "orange", "purple", "pink", "cyan", "magenta",
            "white", "black", "gray", "grey", "brown")
 DIRECTIONS = ("left", "right", "up", "down")
-CAPTION_WORDS = ("a", "an", "the", "moves", "moving", "move", "on", "background", "and", "to",
+CAPTION_WORDS = ("a", "an", "the", "moves", "moving", "move", "grows", "shrinks", "grow", "shrink",
+                 "growing", "shrinking", "on", "background", "and", "to",
                  "towards", "toward", "of", "in", "across", "slowly", "quickly", "fast", "slow",
                  "small", "large", "big", "shape", "shapes", "circles", "squares", "triangles",
                  "frame", "screen", "plain", "solid", "colored", "coloured")
@@ -117,27 +123,28 @@ def build_tokenizer(words: Iterable[str], model_max_length: int = 512):
 
 @dataclass(frozen=True)
 class TinyWanConfig:
-    """Sizes of the tiny pipeline. The defaults give the shipped ``assets/tiny-wan``."""
+    """Sizes of the tiny pipeline. The defaults are the architecture of the shipped, trained
+    ``assets/tiny-wan`` (``docs/tiny_model.md``)."""
 
     # transformer
-    num_attention_heads: int = 2
+    num_attention_heads: int = 4
     attention_head_dim: int = 64
     num_layers: int = 4
-    ffn_dim: int = 512
+    ffn_dim: int = 1024
     freq_dim: int = 64
     # text encoder (its d_model is the transformer's text_dim)
-    text_d_model: int = 128
-    text_layers: int = 2
+    text_d_model: int = 256
+    text_layers: int = 3
     text_heads: int = 4
-    text_d_ff: int = 256
+    text_d_ff: int = 512
     # VAE
-    vae_base_dim: int = 8
+    vae_base_dim: int = 16
     vae_res_blocks: int = 1
     z_dim: int = 16
     # generation defaults written into the sidecar
     defaults: dict = field(default_factory=lambda: {
         "height": 128, "width": 128, "frames": 33, "fps": 16, "steps": 20,
-        "guidance": 5.0, "shift": 3.0})
+        "guidance": 5.0, "shift": 3.0, "max_sequence_length": 32})
 
 
 def _transformer_config(cfg: TinyWanConfig) -> dict:
@@ -224,59 +231,59 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def save_tiny_assets(out: str | Path = TINY_MODEL_DIR, qat_out: str | Path | None = TINY_QAT_DIR,
-                     seed: int = 0, config: TinyWanConfig | None = None) -> tuple[Path, Path | None]:
-    """Build the tiny pipeline from ``seed`` and save it (diffusers layout, safetensors).
+def save_pipeline(pipe, out: str | Path, qat_out: str | Path | None = None, *,
+                  sidecar: dict, qat_sidecar: dict | None = None) -> tuple[Path, Path | None]:
+    """Save a tiny :class:`~diffusers.WanPipeline` (diffusers layout, safetensors) with its sidecar.
 
-    ``out`` receives the pipeline, ``qat_out`` (unless None) its Attn-QAT transformer: for now a
-    copy of the base transformer's weights, stated in its ``attnqat.json``. Existing folders are
-    replaced only after the new ones were written completely.
+    ``out`` receives the pipeline and ``sidecar`` as ``attnqat.json`` (``qat_transformer`` is added
+    when ``qat_out`` is given); ``qat_out`` (unless None) receives a copy of the pipeline's
+    transformer with ``qat_sidecar``. The transformer and text encoder are stored in bfloat16 (the
+    dtype they are loaded in), except the transformer's modules diffusers keeps in float32; the VAE
+    stays float32. ``pipe`` itself is not modified. Existing folders are replaced only after the new
+    ones were written completely.
 
     Returns:
         the two folders written (``qat_out`` None when not asked).
     """
-    cfg = config or TinyWanConfig()
+    import copy
+
+    from diffusers import WanPipeline
+
     out = Path(out).resolve()
     qat = Path(qat_out).resolve() if qat_out is not None else None
-    pipe = build_tiny_pipeline(seed, cfg)
-    # Transformer and text encoder are loaded in bfloat16: store them so (half the size), except
-    # the transformer's modules diffusers keeps in float32 (norms, time embedder, modulation).
-    keep = set(pipe.transformer._keep_in_fp32_modules or [])
+    transformer = copy.deepcopy(pipe.transformer).to("cpu")
+    text_encoder = copy.deepcopy(pipe.text_encoder).to("cpu", torch.bfloat16)
+    keep = set(transformer._keep_in_fp32_modules or [])
     with torch.no_grad():
-        for name, p in pipe.transformer.named_parameters():
-            if not keep.intersection(name.split(".")):
-                p.data = p.data.to(torch.bfloat16)
-    pipe.text_encoder.to(torch.bfloat16)
-    weights_note = (f"random initialization from seed {seed} (not trained); generated clips are "
-                    "noise-like until a trained tiny model replaces these weights")
+        for name, p in transformer.named_parameters():
+            p.data = p.data.to(torch.float32 if keep.intersection(name.split(".")) else torch.bfloat16)
+    vae = copy.deepcopy(pipe.vae).to("cpu")
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.data = p.data.float()
+    pipe = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=text_encoder, vae=vae,
+                       scheduler=pipe.scheduler, transformer=transformer)
+    sidecar = dict(sidecar)
     out.parent.mkdir(parents=True, exist_ok=True)
     if qat is not None:
         qat.parent.mkdir(parents=True, exist_ok=True)
+        sidecar["qat_transformer"] = Path(os.path.relpath(qat, out)).as_posix()
     written: list[tuple[Path, Path]] = []
     try:
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-wan-", dir=out.parent))
         _chmod_like_mkdir(tmp)
+        written.append((tmp, out))
         pipe.save_pretrained(tmp, safe_serialization=True)
         _portable_tokenizer_class(tmp)
-        sidecar = {"kind": "tiny-wan", "weights": "random-init", "seed": seed,
-                   "weights_note": weights_note, "defaults": dict(cfg.defaults),
-                   "config": {k: v for k, v in asdict(cfg).items() if k != "defaults"}}
-        if qat is not None:
-            sidecar["qat_transformer"] = Path(os.path.relpath(qat, out)).as_posix()
         _write_json(tmp / SIDECAR, sidecar)
         _chmod_files(tmp)
-        written.append((tmp, out))
         if qat is not None:
             tmpq = Path(tempfile.mkdtemp(prefix=".tiny-wan-qat-", dir=qat.parent))
             _chmod_like_mkdir(tmpq)
-            pipe.transformer.save_pretrained(tmpq, safe_serialization=True)
-            _chmod_files(tmpq)
-            _write_json(tmpq / SIDECAR, {
-                "kind": "tiny-wan-qat", "weights": "copy-of-base", "seed": seed,
-                "qat_weights_note": "copy of the base tiny transformer's weights: Attn-QAT "
-                                    "fine-tuning has not been run on it yet, so the attnqat clip "
-                                    "shows plain NVFP4 attention on the base model"})
             written.append((tmpq, qat))
+            transformer.save_pretrained(tmpq, safe_serialization=True)
+            _write_json(tmpq / SIDECAR, dict(qat_sidecar or {}))
+            _chmod_files(tmpq)
     except BaseException:
         for tmp_dir, _ in written:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -286,6 +293,44 @@ def save_tiny_assets(out: str | Path = TINY_MODEL_DIR, qat_out: str | Path | Non
             shutil.rmtree(final)
         tmp_dir.rename(final)
     return out, qat
+
+
+def save_tiny_assets(out: str | Path = TINY_MODEL_DIR, qat_out: str | Path | None = TINY_QAT_DIR,
+                     seed: int = 0, config: TinyWanConfig | None = None) -> tuple[Path, Path | None]:
+    """Build the tiny pipeline from ``seed`` (random weights) and save it with
+    :func:`save_pipeline`.
+
+    ``out`` receives the pipeline, ``qat_out`` (unless None) its Attn-QAT transformer: a copy of
+    the base transformer's weights, stated in its ``attnqat.json``.
+
+    Returns:
+        the two folders written (``qat_out`` None when not asked).
+    """
+    cfg = config or TinyWanConfig()
+    pipe = build_tiny_pipeline(seed, cfg)
+    weights_note = (f"random initialization from seed {seed} (not trained); generated clips are "
+                    "noise-like; the trained tiny model comes from `attnqat finetune tiny`")
+    sidecar = {"kind": "tiny-wan", "weights": "random-init", "seed": seed,
+               "weights_note": weights_note, "defaults": dict(cfg.defaults),
+               "config": config_dict(cfg)}
+    return save_pipeline(pipe, out, qat_out, sidecar=sidecar,
+                         qat_sidecar=copy_of_base_sidecar(seed))
+
+
+def config_dict(cfg: TinyWanConfig) -> dict:
+    """The architecture fields of ``cfg`` (everything but the generation defaults)."""
+    return {k: v for k, v in asdict(cfg).items() if k != "defaults"}
+
+
+def copy_of_base_sidecar(seed: int | None = None, note: str | None = None) -> dict:
+    """The ``attnqat.json`` of an Attn-QAT folder that holds a copy of the base transformer."""
+    side = {"kind": "tiny-wan-qat", "weights": "copy-of-base",
+            "qat_weights_note": note or ("copy of the base tiny transformer's weights: Attn-QAT "
+                                         "fine-tuning has not been run on it yet, so the attnqat "
+                                         "clip shows plain NVFP4 attention on the base model")}
+    if seed is not None:
+        side["seed"] = seed
+    return side
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,7 +346,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for the tiny Attn-QAT transformer (replaced if it exists)")
     parser.add_argument("--no-qat", action="store_true", help="do not write the Attn-QAT transformer")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random initialization")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a folder that holds trained weights (its attnqat.json says "
+                             "weights other than random-init)")
     args = parser.parse_args(argv)
+    targets = [args.out] + ([] if args.no_qat else [args.qat_out])
+    for folder in targets:
+        side = Path(folder) / SIDECAR
+        if side.is_file() and not args.force:
+            weights = json.loads(side.read_text()).get("weights")
+            if weights not in (None, "random-init", "copy-of-base"):
+                parser.error(f"{folder} holds {weights} weights; pass --force to replace them with a "
+                             "random initialization")
     out, qat = save_tiny_assets(args.out, None if args.no_qat else args.qat_out, seed=args.seed)
     size = sum(p.stat().st_size for d in (out, qat) if d for p in d.rglob("*") if p.is_file())
     print(f"wrote {out}" + (f" and {qat}" if qat else "") + f" ({size / 2**20:.1f} MiB)")

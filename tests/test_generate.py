@@ -90,7 +90,8 @@ def test_bf16_equals_the_diffusers_pipeline(models):
     res = gen.generate(PROMPT, methods="bf16", models=models, progress=False, guidance=4.0, **SMALL)
     pipe = models.pipe
     wan.set_method(pipe.transformer, "bf16")
-    pe, ne = gen.encode_prompts(models, PROMPT, "", 4.0)
+    # the prompt padding is the model's (its sidecar's max_sequence_length), as in generate
+    pe, ne = gen.encode_prompts(models, PROMPT, "", 4.0, res.record["settings"]["max_sequence_length"])
     pipe.scheduler = gen._make_scheduler(pipe.scheduler, 3.0)
     frames = pipe(prompt_embeds=pe, negative_prompt_embeds=ne, latents=res.initial_latents,
                   guidance_scale=4.0, num_inference_steps=2, height=32, width=32, num_frames=5,

@@ -27,6 +27,8 @@ def test_tokenizer_from_a_word_list():
 
 
 def test_vocabulary_covers_the_shapes_captions():
+    from attnqat.finetune.synthetic import heldout_prompts, spec_at
+
     vocab = tiny.tiny_vocabulary()
     tok = tiny.build_tokenizer(vocab)
     unk = tok.unk_token_id
@@ -35,6 +37,11 @@ def test_vocabulary_covers_the_shapes_captions():
             for d in tiny.DIRECTIONS:
                 ids = tok(f"a {colour} {shape} moves {d} on a green background")["input_ids"]
                 assert unk not in ids
+    # every word of the synthetic data's captions (grows / shrinks included) is in the vocabulary
+    captions = heldout_prompts(60) + [spec_at(0, k).caption for k in range(200)]
+    assert any("grows" in c for c in captions) and any("shrinks" in c for c in captions)
+    for c in captions:
+        assert unk not in tok(c)["input_ids"], c
     assert len(vocab) == len(set(vocab))
 
 
@@ -57,7 +64,7 @@ def test_shipped_assets_match_their_description():
     side = json.loads((tiny.TINY_MODEL_DIR / tiny.SIDECAR).read_text())
     qat_side = json.loads((tiny.TINY_QAT_DIR / tiny.SIDECAR).read_text())
     assert side["defaults"] == {"height": 128, "width": 128, "frames": 33, "fps": 16, "steps": 20,
-                                "guidance": 5.0, "shift": 3.0}
+                                "guidance": 5.0, "shift": 3.0, "max_sequence_length": 32}
     assert (tiny.TINY_MODEL_DIR / side["qat_transformer"]).resolve() == tiny.TINY_QAT_DIR.resolve()
     size = sum(p.stat().st_size for d in (tiny.TINY_MODEL_DIR, tiny.TINY_QAT_DIR)
                for p in d.rglob("*") if p.is_file())
@@ -73,6 +80,38 @@ def test_shipped_assets_match_their_description():
         assert base.keys() == rebuilt.keys()
         for k, v in base.items():
             assert torch.equal(v, rebuilt[k].to(v.dtype)), k
+    else:
+        assert side["weights"] == "trained"
+        assert "BASE weights" in qat_side["qat_weights_note"]
+        # TinyWanConfig's defaults describe the shipped architecture
+        assert side["config"] == tiny.config_dict(tiny.TinyWanConfig())
+        cfg = json.loads((tiny.TINY_MODEL_DIR / "transformer" / "config.json").read_text())
+        for k, v in tiny._transformer_config(tiny.TinyWanConfig()).items():
+            assert cfg[k] == (list(v) if isinstance(v, tuple) else v), k
+        vae = json.loads((tiny.TINY_MODEL_DIR / "vae" / "config.json").read_text())
+        assert vae["base_dim"] == tiny.TinyWanConfig().vae_base_dim
+        assert vae["latents_std"] != [1.0] * 16 and min(vae["latents_std"]) > 0
+        training = side["training"]
+        assert training["vae"]["steps"] > 0 and training["t2v"]["steps"] > 0
+        for stage in ("vae", "t2v"):   # a run may train one stage only
+            assert sum(r.get(stage, {}).get("steps", 0) for r in training["runs"]) == training[stage]["steps"]
+        assert f"{training['t2v']['steps']} steps" in side["weights_note"]
+        # stored as loaded: transformer in bf16 except diffusers' float32 modules, VAE in float32
+        assert base["blocks.0.attn1.to_q.weight"].dtype == torch.bfloat16
+        assert base["scale_shift_table"].dtype == torch.float32
+
+
+def test_rebuild_refuses_to_replace_trained_weights(tmp_path, capsys):
+    out, qat = tmp_path / "m", tmp_path / "q"
+    tiny.save_tiny_assets(out, qat, seed=2)
+    side = json.loads((out / tiny.SIDECAR).read_text())
+    (out / tiny.SIDECAR).write_text(json.dumps({**side, "weights": "trained"}))
+    with pytest.raises(SystemExit):
+        tiny.main(["--out", str(out), "--qat-out", str(qat)])
+    assert "--force" in capsys.readouterr().err
+    assert json.loads((out / tiny.SIDECAR).read_text())["weights"] == "trained"
+    assert tiny.main(["--out", str(out), "--qat-out", str(qat), "--force"]) == 0
+    assert json.loads((out / tiny.SIDECAR).read_text())["weights"] == "random-init"
 
 
 def test_save_tiny_assets_replaces_folders_atomically(tmp_path):

@@ -24,7 +24,7 @@ def transformer():
 def inputs(dtype=torch.float32, text_len=7):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 16, 2, 8, 8, generator=g).to(dtype)   # 2 * 4 * 4 = 32 video tokens
-    e = torch.randn(1, text_len, 128, generator=g).to(dtype)
+    e = torch.randn(1, text_len, TinyWanConfig().text_d_model, generator=g).to(dtype)
     return x, torch.tensor([400.0]), e
 
 

@@ -1,0 +1,1001 @@
+"""Train the embedded tiny Wan 2.1 model on the synthetic shapes data: ``attnqat finetune tiny``.
+
+One module, read top to bottom: arguments, data (GPU renderer of the synthetic clips), text
+encoding, model loading and saving, the three stages, the command line.
+
+Stages (``--stages``, run in this order; any subset):
+
+``vae``
+    Train the ``AutoencoderKLWan`` of :class:`attnqat.tiny.TinyWanConfig` on synthetic clips:
+    L1 + L2 reconstruction (pixels of the objects weighted up) of the posterior mean plus a small
+    KL term (``--vae-sample`` decodes a posterior sample instead). Then measure the per-channel
+    mean and standard deviation of the latents over ``--stats-clips`` clips of ``--frames`` frames
+    and write them into the VAE config (``latents_mean`` / ``latents_std``, which the pipeline
+    uses to de-normalize before decoding). ``--vae-train decoder`` trains the decoder alone: the
+    encoder, the latent statistics and what the transformer has learned stay valid.
+``t2v``
+    Freeze the VAE; train the UMT5 text encoder and the ``WanTransformer3DModel`` jointly with
+    rectified-flow matching on normalized latents: ``x_t = (1 - σ) x0 + σ ε``, target ``ε - x0``,
+    timestep ``1000 σ``, ``σ = s u / (1 + (s - 1) u)`` with ``u`` uniform and ``s`` the flow shift
+    (as Wan's scheduler spaces its sigmas). Captions are replaced by the empty prompt (what the
+    pipeline's default negative prompt encodes) with probability ``--caption-dropout``, so
+    classifier-free guidance works. AdamW, linear warm-up, linear decay over the last part of the
+    budget, bf16 autocast on CUDA, an exponential moving average (EMA) of the weights, which is
+    what gets saved. Latents come from a pool on the device: ``--pool`` clips are rendered and
+    encoded first, then every ``--fresh-every`` steps ``--fresh`` new clips replace the oldest,
+    and each step trains on ``--batch-size`` latents drawn from the pool at random.
+``eval``
+    Generate one clip per held-out prompt (:func:`attnqat.finetune.synthetic.heldout_prompts`,
+    prompt ``i`` with seed ``i``) for each method through the project's generation code
+    (:func:`attnqat.wan.load_models`, :func:`attnqat.generate.encode_prompts`,
+    :func:`~attnqat.generate.initial_latents`, :func:`~attnqat.generate.denoise`,
+    :func:`~attnqat.generate.decode`; prompts are denoised in batches), score them with
+    :func:`attnqat.eval.procedural.score_clip`, and report colour, shape and motion accuracy per
+    method plus PSNR/SSIM of the 4-bit methods against BF16. Writes a JSON file and prints a table.
+``export``
+    Write ``--out`` (and ``--qat-out``) from ``--resume`` without training.
+
+Budgets are in minutes (``--vae-minutes``, ``--t2v-minutes``) and/or steps (``--vae-steps``,
+``--t2v-steps``): a stage stops at whichever comes first. ``--time-limit-minutes`` bounds the whole
+process (training is cut short to leave ``--reserve-minutes`` for saving and evaluation).
+``--resume DIR`` continues from a saved model folder: the weights only (the EMA weights, which
+are what is saved). The optimizer restarts with a fresh state and a new warm-up: its state (twice
+the float32 weights) is not saved, so that a checkpoint is the model folder itself and stays small
+enough to carry between runs of a time-limited machine. The step counts of every run are kept in the
+folder's ``attnqat.json`` (``training``).
+
+Usage (``docs/tiny_model.md`` gives the runs that made the shipped model)::
+
+    python -m attnqat.finetune.tiny_train --stages vae,t2v,eval --vae-minutes 15 \\
+        --t2v-minutes 30 --out assets/tiny-wan --qat-out assets/tiny-wan-qat
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from attnqat import tiny
+from attnqat.finetune.synthetic import (BACKGROUND_COLOURS, MAX_OBJECTS, MOTIONS, OBJECT_COLOURS,
+                                        SHAPES, ClipSpec, spec_at)
+
+STAGES = ("vae", "t2v", "eval", "export")
+TEXT_SEQ_LEN = 512        # Wan pads the prompt embeddings to 512 tokens (attnqat.generate); a
+                          # model's sidecar default ``max_sequence_length`` overrides it
+OBJ_FIELDS = 10           # present, r, g, b, shape, motion, x0, y0, extent, amount
+PARAMS = MAX_OBJECTS * OBJ_FIELDS + 3   # + background r, g, b
+# stream seeds of the training data, one per use, so no two uses share clips
+STREAM_VAE, STREAM_STATS, STREAM_T2V = 1, 2, 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``attnqat finetune tiny``."""
+    g = parser.add_argument_group("run")
+    g.add_argument("--stages", default="vae,t2v,eval",
+                   help=f"comma-separated stages to run, in order: {', '.join(STAGES)}")
+    g.add_argument("--out", required=True, type=Path,
+                   help="pipeline folder to write (diffusers layout + attnqat.json; replaced)")
+    g.add_argument("--qat-out", type=Path, default=None,
+                   help="also write the Attn-QAT slot here: a copy of the trained transformer, "
+                        "marked as such in its attnqat.json")
+    g.add_argument("--resume", type=Path, default=None,
+                   help="start from this saved model folder instead of a random initialization")
+    g.add_argument("--config", default=None,
+                   help="JSON object of TinyWanConfig fields that differ from the defaults (new "
+                        "models only; e.g. '{\"num_layers\": 1}')")
+    g.add_argument("--defaults", default=None,
+                   help="JSON object of generation defaults to write into attnqat.json (e.g. "
+                        "'{\"guidance\": 4.0}')")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    g.add_argument("--seed", type=int, default=0, help="seed of the initialization, data and noise")
+    g.add_argument("--workers", type=int, default=8,
+                   help="DataLoader workers drawing clip specifications (0: in the main process); "
+                        "also processes scoring the evaluation clips")
+    g.add_argument("--size", type=int, default=128, help="training clip height and width (pixels)")
+    g.add_argument("--frames", type=int, default=33, help="training clip length for the transformer")
+    g.add_argument("--time-limit-minutes", type=float, default=0.0,
+                   help="wall-clock limit of the whole process; training stops early to leave "
+                        "--reserve-minutes (0: no limit)")
+    g.add_argument("--reserve-minutes", type=float, default=1.5,
+                   help="time kept for saving and evaluation under --time-limit-minutes")
+    g.add_argument("--save-every-minutes", type=float, default=2.0,
+                   help="save the model during the t2v stage this often")
+    g.add_argument("--log-every", type=int, default=50, help="print a progress line every N steps")
+
+    g = parser.add_argument_group("vae stage")
+    g.add_argument("--vae-minutes", type=float, default=0.0, help="time budget (0: none)")
+    g.add_argument("--vae-steps", type=int, default=0, help="step budget (0: none)")
+    g.add_argument("--vae-batch-size", type=int, default=32,
+                   help="clips per step (a step costs about 0.17 s on an H100 whatever its size, "
+                        "so larger batches are nearly free)")
+    g.add_argument("--vae-frames", type=int, default=13,
+                   help="frames per training clip (4k+1: the first frame, then chunks of 4 that "
+                        "each follow the previous one through the causal cache)")
+    g.add_argument("--vae-lr", type=float, default=1e-3, help="AdamW learning rate")
+    g.add_argument("--vae-train", choices=("all", "decoder"), default="all",
+                   help="train the whole VAE, or only its decoder (the encoder, hence the latent "
+                        "space, its statistics and what the transformer learned, stay as they are)")
+    g.add_argument("--vae-sample", action="store_true",
+                   help="decode a sample of the posterior in training instead of its mean (slower "
+                        "to converge: the unit-variance noise of the untrained posterior drowns "
+                        "the signal)")
+    g.add_argument("--kl-weight", type=float, default=1e-4,
+                   help="weight of the KL term (mean over latent elements)")
+    g.add_argument("--fg-weight", type=float, default=3.0,
+                   help="extra reconstruction weight of pixels covered by an object")
+    g.add_argument("--stats-clips", type=int, default=512,
+                   help="clips whose latents give the per-channel mean and std")
+
+    g = parser.add_argument_group("t2v stage")
+    g.add_argument("--t2v-minutes", type=float, default=0.0, help="time budget (0: none)")
+    g.add_argument("--t2v-steps", type=int, default=0, help="step budget (0: none)")
+    g.add_argument("--batch-size", type=int, default=128, help="latents per step")
+    g.add_argument("--lr", type=float, default=8e-4, help="AdamW peak learning rate")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (matrices)")
+    g.add_argument("--warmup", type=int, default=300, help="linear warm-up steps")
+    g.add_argument("--decay-frac", type=float, default=0.3,
+                   help="fraction of the budget at the end over which the learning rate falls "
+                        "linearly to --final-lr-frac of its peak")
+    g.add_argument("--final-lr-frac", type=float, default=0.1, help="see --decay-frac")
+    g.add_argument("--ema", type=float, default=0.999, help="EMA decay (0: no EMA)")
+    g.add_argument("--caption-dropout", type=float, default=0.1,
+                   help="probability of training on the empty prompt")
+    g.add_argument("--shift", type=float, default=3.0, help="flow shift of the sigma sampling")
+    g.add_argument("--pool", type=int, default=8192,
+                   help="latents kept on the device (filled before the first step)")
+    g.add_argument("--fill-batch", type=int, default=64, help="clips encoded at once to fill the pool")
+    g.add_argument("--fresh", type=int, default=128,
+                   help="new clips rendered and encoded every --fresh-every steps, replacing the "
+                        "oldest (0: train on the pool only)")
+    g.add_argument("--fresh-every", type=int, default=8,
+                   help="steps between two refreshes of the pool (encoding a batch of clips costs "
+                        "about the same whatever its size, so refresh in larger, rarer batches)")
+    g.add_argument("--text-len", type=int, default=32,
+                   help="tokens the text encoder sees in training (captions are shorter; the "
+                        "embeddings are zero-padded to the model's max_sequence_length, 32 for "
+                        "a new model, as the pipeline pads them at inference)")
+
+    g = parser.add_argument_group("eval stage")
+    g.add_argument("--eval-prompts", type=int, default=100,
+                   help="held-out prompts (seed i for prompt i)")
+    g.add_argument("--eval-methods", default="bf16,nvfp4,sage3", help="attention methods to score")
+    g.add_argument("--eval-backend", default="torch",
+                   help="attention backend of the 4-bit methods: torch (reference) | auto | triton")
+    g.add_argument("--eval-batch", type=int, default=50, help="prompts denoised together")
+    g.add_argument("--eval-steps", type=int, default=None,
+                   help="denoising steps (default: the model's)")
+    g.add_argument("--eval-guidance", type=float, default=None, help="guidance (default: the model's)")
+    g.add_argument("--eval-size", type=int, default=None,
+                   help="height and width (default: the model's)")
+    g.add_argument("--eval-frames", type=int, default=None, help="frames (default: the model's)")
+    g.add_argument("--sweep-guidance", default="",
+                   help="comma-separated extra guidance values scored with bf16 only")
+    g.add_argument("--eval-json", type=Path, default=None,
+                   help="where to write the scores (default: <out>-eval.json)")
+    g.add_argument("--eval-samples", type=int, default=0,
+                   help="also save the clips of the first N prompts (<eval-json>-samples.npz)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Clock:
+    """Seconds since the process started its work, and the process-wide deadline."""
+
+    def __init__(self, limit_minutes: float = 0.0, reserve_minutes: float = 0.0) -> None:
+        self.t0 = time.perf_counter()
+        self.limit = limit_minutes * 60.0
+        self.reserve = reserve_minutes * 60.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left_for_training(self) -> float:
+        """Seconds training may still use (inf without a limit)."""
+        if self.limit <= 0:
+            return math.inf
+        return self.limit - self.reserve - self.elapsed()
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _autocast(dev: torch.device):
+    return torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
+
+
+def lr_factor(step: int, progress: float, warmup: int, decay_frac: float, final: float) -> float:
+    """Linear warm-up over ``warmup`` steps; constant; linear fall to ``final`` over the last
+    ``decay_frac`` of the budget (``progress`` in [0, 1])."""
+    f = min(1.0, (step + 1) / max(1, warmup))
+    if decay_frac > 0 and progress > 1.0 - decay_frac:
+        f *= final + (1.0 - final) * max(0.0, 1.0 - progress) / decay_frac
+    return f
+
+
+class Budget:
+    """Steps and/or seconds; ``progress`` is the larger of the two fractions used."""
+
+    def __init__(self, steps: int, minutes: float, clock: Clock) -> None:
+        self.steps, self.seconds, self.clock = steps, minutes * 60.0, clock
+        self.t0 = time.perf_counter()
+        limit = clock.left_for_training()
+        if math.isfinite(limit):
+            self.seconds = min(self.seconds, limit) if self.seconds > 0 else limit
+        if self.steps <= 0 and self.seconds <= 0 and not math.isfinite(limit):
+            raise ValueError("a training stage needs a budget: give its --*-steps or --*-minutes")
+
+    def progress(self, step: int) -> float:
+        p = step / self.steps if self.steps > 0 else 0.0
+        if self.seconds > 0 or math.isfinite(self.clock.left_for_training()):
+            p = max(p, (time.perf_counter() - self.t0) / max(self.seconds, 1e-9))
+        return p
+
+    def done(self, step: int) -> bool:
+        return self.progress(step) >= 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: clip specifications from the synthetic stream, rendered on the device
+
+
+def spec_params(spec: ClipSpec) -> np.ndarray:
+    """A clip specification (with geometry) as a flat float64 vector for :func:`render_batch`."""
+    p = np.zeros(PARAMS, dtype=np.float64)
+    for j, o in enumerate(spec.objects):
+        p[j * OBJ_FIELDS:(j + 1) * OBJ_FIELDS] = (
+            1.0, *OBJECT_COLOURS[o.colour], SHAPES.index(o.shape), MOTIONS.index(o.motion),
+            o.start[0], o.start[1], o.extent, o.amount)
+    p[-3:] = BACKGROUND_COLOURS[spec.background]
+    return p
+
+
+class SpecStream(IterableDataset):
+    """Batches of the training stream: batch ``b`` holds items ``start + b * batch ...`` of
+    ``spec_at(seed, k)`` as ``(params (batch, PARAMS) float64, captions)``. DataLoader worker
+    ``w`` of ``n`` makes the batches ``b % n == w``, and the loader hands them out in order, so the
+    stream is the same whatever the number of workers."""
+
+    def __init__(self, seed: int, start: int, batch: int, max_objects: int = 2) -> None:
+        self.seed, self.start, self.batch, self.max_objects = seed, start, batch, max_objects
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        info = get_worker_info()
+        n, w = (info.num_workers, info.id) if info is not None else (1, 0)
+        b = w
+        while True:
+            k0 = self.start + b * self.batch
+            specs = [spec_at(self.seed, k, "train", self.max_objects)
+                     for k in range(k0, k0 + self.batch)]
+            yield (torch.from_numpy(np.stack([spec_params(s) for s in specs])),
+                   [s.caption for s in specs])
+            b += n
+
+
+def spec_batches(seed: int, start: int, batch: int,
+                 workers: int) -> Iterator[tuple[torch.Tensor, list[str]]]:
+    """Endless ``(params (B, PARAMS) float64, captions)`` batches of the training stream from
+    item ``start`` on."""
+    loader = DataLoader(SpecStream(seed, start, batch), batch_size=None, num_workers=workers,
+                        persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None)
+    yield from loader
+
+
+def render_batch(params: torch.Tensor, frames: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Render clips on ``params``' device, the arithmetic of
+    :func:`attnqat.finetune.synthetic.render` (square frames).
+
+    Returns:
+        ``(clips, fg)``: clips ``(B, T, H, W, 3)`` float32 holding integers 0..255 (what ``render``
+        returns as uint8), and ``fg`` ``(B, T, H, W)`` bool, the pixels any object touches.
+    """
+    dev = params.device
+    b = params.shape[0]
+    h = w = int(size)
+    t = torch.from_numpy(np.linspace(0.0, 1.0, frames)).to(dev).view(1, frames)
+    ys = (torch.arange(h, dtype=torch.float32, device=dev) + 0.5).view(1, 1, h, 1)
+    xs = (torch.arange(w, dtype=torch.float32, device=dev) + 0.5).view(1, 1, 1, w)
+    bg = params[:, -3:].float().view(b, 1, 1, 1, 3)
+    img = bg.expand(b, frames, h, w, 3).clone()
+    fg = torch.zeros(b, frames, h, w, dtype=torch.bool, device=dev)
+    s3 = math.sqrt(3.0) / 2.0
+    for j in range(MAX_OBJECTS):
+        p = params[:, j * OBJ_FIELDS:(j + 1) * OBJ_FIELDS]
+        present = p[:, 0] > 0
+        if not bool(present.any()):
+            continue
+        colour = p[:, 1:4].float().view(b, 1, 1, 1, 3)
+        shape, motion = p[:, 4].long().view(b, 1), p[:, 5].long().view(b, 1)
+        x0, y0, ext, amt = (p[:, i:i + 1] for i in (6, 7, 8, 9))
+        x, y, e = x0.expand(b, frames), y0.expand(b, frames), ext.expand(b, frames)
+        x = torch.where(motion == 0, x0 - amt * t, torch.where(motion == 1, x0 + amt * t, x))
+        y = torch.where(motion == 2, y0 - amt * t, torch.where(motion == 3, y0 + amt * t, y))
+        e = torch.where(motion == 4, ext * amt ** t, torch.where(motion == 5, ext * amt ** (-t), e))
+        cx = (x * w).float().view(b, frames, 1, 1)
+        cy = (y * h).float().view(b, frames, 1, 1)
+        scale = (e * min(h, w)).float().view(b, frames, 1, 1)
+        px, py = xs - cx, ys - cy
+        circle = torch.sqrt(px * px + py * py) - 0.5 * scale
+        square = torch.maximum(px.abs(), py.abs()) - 0.5 * 0.85 * scale
+        triangle = (torch.maximum(torch.maximum(py, s3 * px - 0.5 * py), -s3 * px - 0.5 * py)
+                    - 0.3 * scale)
+        sid = shape.view(b, 1, 1, 1)
+        sdf = torch.where(sid == 0, circle, torch.where(sid == 1, square, triangle))
+        alpha = (0.5 - sdf).clamp(0.0, 1.0) * present.view(b, 1, 1, 1)
+        fg |= alpha > 0
+        img = img + alpha.unsqueeze(-1) * (colour - img)
+    return torch.round(img).clamp(0.0, 255.0), fg
+
+
+def to_model_input(clips: torch.Tensor) -> torch.Tensor:
+    """``(B, T, H, W, 3)`` 0..255 → ``(B, 3, T, H, W)`` in [-1, 1] (the VAE's input, as
+    :func:`attnqat.finetune.synthetic.to_tensor`)."""
+    return clips.permute(0, 4, 1, 2, 3).div(127.5).sub(1.0).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# Text: the pipeline's prompt encoding, differentiable
+
+
+def tokenize(tokenizer, captions: list[str], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and attention mask, padded to ``length`` (as the pipeline tokenizes)."""
+    enc = tokenizer(captions, padding="max_length", max_length=length, truncation=True,
+                    add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+    return enc.input_ids, enc.attention_mask
+
+
+def encode_text(text_encoder, ids: torch.Tensor, mask: torch.Tensor,
+                seq_len: int = TEXT_SEQ_LEN) -> torch.Tensor:
+    """What ``WanPipeline.encode_prompt`` computes: the encoder's states of the real tokens, zeros
+    after them, ``seq_len`` rows. The encoder masks the padding, so a shorter padded length gives
+    the same states."""
+    h = text_encoder(ids, attention_mask=mask).last_hidden_state
+    h = h * mask.unsqueeze(-1).to(h.dtype)
+    return F.pad(h, (0, 0, 0, seq_len - h.shape[1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Models: build, load, save
+
+
+def _config_from(sidecar: dict) -> tiny.TinyWanConfig:
+    fields = {k: v for k, v in sidecar.get("config", {}).items()
+              if k in tiny.TinyWanConfig.__dataclass_fields__}
+    cfg = tiny.TinyWanConfig(**fields)
+    if "defaults" in sidecar:
+        cfg = replace(cfg, defaults=dict(sidecar["defaults"]))
+    return cfg
+
+
+def load_for_training(folder: Path):
+    """A saved tiny pipeline in float32 on the CPU, its config and its sidecar."""
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    from attnqat.wan import _quiet_loading
+
+    folder = Path(folder)
+    sidecar = json.loads((folder / tiny.SIDECAR).read_text())
+    with _quiet_loading():
+        vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", local_files_only=True)
+        te = UMT5EncoderModel.from_pretrained(folder, subfolder="text_encoder", local_files_only=True)
+        tr = WanTransformer3DModel.from_pretrained(folder, subfolder="transformer",
+                                                   local_files_only=True)
+        pipe = WanPipeline.from_pretrained(folder, vae=vae, text_encoder=te, transformer=tr,
+                                           local_files_only=True)
+    for m in (pipe.vae, pipe.text_encoder, pipe.transformer):
+        m.float()
+    return pipe, _config_from(sidecar), sidecar
+
+
+def weights_note(state: dict) -> str:
+    v, t = state.get("vae", {}), state.get("t2v", {})
+    runs = state.get("runs", [])
+    last = runs[-1] if runs else {}
+    return (f"trained on the synthetic shapes data (attnqat.finetune.synthetic, training split: no "
+            f"held-out colour x shape x motion triple is ever shown) by `attnqat finetune tiny`: "
+            f"VAE {v.get('steps', 0)} steps ({v.get('clips', 0)} clips), text encoder and "
+            f"transformer {t.get('steps', 0)} steps ({t.get('samples', 0)} latents drawn from "
+            f"{t.get('clips', 0)} clips), {len(runs)} run(s), last on {last.get('date', '?')} on "
+            f"{last.get('device', '?')}; see docs/tiny_model.md")
+
+
+def save_model(pipe, out: Path, qat_out: Path | None, cfg: tiny.TinyWanConfig, state: dict,
+               seed: int) -> None:
+    """Write the pipeline (its transformer and text encoder being the weights to ship) with a
+    sidecar saying it is trained, and optionally the Attn-QAT slot as a copy of the transformer."""
+    note = weights_note(state)
+    sidecar = {"kind": "tiny-wan", "weights": "trained", "seed": seed, "weights_note": note,
+               "defaults": dict(cfg.defaults), "config": tiny.config_dict(cfg), "training": state}
+    qat_note = ("BASE weights: a copy of the trained tiny transformer (" + note.split(" by ")[0] +
+                "); Attn-QAT fine-tuning has not been run on it yet, so the attnqat clip shows "
+                "plain NVFP4 attention on the base model")
+    from attnqat.wan import _quiet_loading
+
+    with _quiet_loading():
+        tiny.save_pipeline(pipe, out, qat_out, sidecar=sidecar,
+                           qat_sidecar=tiny.copy_of_base_sidecar(seed, qat_note))
+
+
+class EMA:
+    """Exponential moving average of the float parameters of some modules (kept in copies)."""
+
+    def __init__(self, modules: list[torch.nn.Module], decay: float) -> None:
+        self.decay = decay
+        self.copies = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
+        self.live = [list(m.parameters()) for m in modules]
+        self.avg = [list(c.parameters()) for c in self.copies]
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        d = min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
+        for live, avg in zip(self.live, self.avg):
+            torch._foreach_lerp_(avg, live, 1.0 - d)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1: the VAE
+
+
+def vae_loss(vae, x: torch.Tensor, fg: torch.Tensor, kl_weight: float, fg_weight: float,
+             generator: torch.Generator | None = None, sample: bool = False
+             ) -> tuple[torch.Tensor, dict]:
+    """Reconstruction (L1 + L2, object pixels weighted ``1 + fg_weight``) of the posterior mean
+    (or, with ``sample``, of a posterior sample), plus ``kl_weight`` times the KL to N(0, 1)
+    averaged over latent elements. The text-to-video stage and the pipeline only ever use the
+    mean."""
+    post = vae.encode(x).latent_dist
+    z = post.sample(generator=generator) if sample else post.mode()
+    rec = vae.decode(z).sample.float()
+    wgt = 1.0 + fg_weight * fg.unsqueeze(1).float()
+    err = rec - x
+    l1 = (err.abs() * wgt).mean() / wgt.mean()
+    l2 = (err.square() * wgt).mean() / wgt.mean()
+    mean, logvar = post.mean.float(), post.logvar.float()
+    kl = 0.5 * (mean.square() + logvar.exp() - 1.0 - logvar).mean()
+    loss = l1 + l2 + kl_weight * kl
+    return loss, {"l1": l1.item(), "l2": l2.item(), "kl": kl.item()}
+
+
+def train_vae(pipe, args, state: dict, dev: torch.device, clock: Clock, record: dict) -> None:
+    """Train the VAE (or its decoder); totals go to ``state["vae"]``, this run's settings and
+    counts to ``record``."""
+    vae = pipe.vae.to(dev).train().requires_grad_(True)
+    if args.vae_train == "decoder":
+        vae.encoder.requires_grad_(False)
+        vae.quant_conv.requires_grad_(False)
+    trainable = [p for p in vae.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=args.vae_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    gen = torch.Generator(dev).manual_seed(args.seed * 7 + 1)
+    st = state.setdefault("vae", {"steps": 0, "clips": 0, "seconds": 0.0})
+    batches = spec_batches(args.seed * 1000 + STREAM_VAE, st["clips"], args.vae_batch_size,
+                           args.workers)
+    budget = Budget(args.vae_steps, args.vae_minutes, clock)
+    log(f"vae: {sum(p.numel() for p in trainable) / 1e6:.2f} M parameters trained "
+        f"({args.vae_train}), batch "
+        f"{args.vae_batch_size} x {args.vae_frames} x {args.size}^2, budget "
+        f"{args.vae_steps or '-'} steps / {budget.seconds / 60:.1f} min")
+    step, t_last, t_data, seen = 0, time.perf_counter(), 0.0, 0
+    while not budget.done(step):
+        t_d = time.perf_counter()
+        params, _ = next(batches)
+        clips, fg = render_batch(params.to(dev), args.vae_frames, args.size)
+        x = to_model_input(clips)
+        t_data += time.perf_counter() - t_d
+        for g in opt.param_groups:
+            g["lr"] = args.vae_lr * lr_factor(step, budget.progress(step), 100, 0.2, 0.1)
+        with _autocast(dev):
+            loss, parts = vae_loss(vae, x, fg, args.kl_weight, args.fg_weight, gen, args.vae_sample)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        step += 1
+        seen += x.shape[0]
+        if step % args.log_every == 0 or step == 1:
+            dt = time.perf_counter() - t_last
+            log(f"vae step {st['steps'] + step:6d}  loss {loss.item():.4f}  l1 {parts['l1']:.4f} "
+                f"l2 {parts['l2']:.5f} kl {parts['kl']:.2f}  gnorm {float(gnorm):.2f}  "
+                f"{seen / dt:.1f} clips/s  data {100 * t_data / dt:.0f}%  "
+                f"t {clock.elapsed():.0f}s")
+            t_last, t_data, seen = time.perf_counter(), 0.0, 0
+    batches.close()
+    st["steps"] += step
+    st["clips"] += step * args.vae_batch_size
+    st["seconds"] += time.perf_counter() - budget.t0
+    st["final_loss"] = loss.item() if step else st.get("final_loss")
+    st.setdefault("decoder_only_steps", 0)
+    if args.vae_train == "decoder":
+        st["decoder_only_steps"] += step
+    record.update(steps=step, clips=step * args.vae_batch_size,
+                  seconds=round(time.perf_counter() - budget.t0, 1), final_loss=st["final_loss"],
+                  train=args.vae_train, batch_size=args.vae_batch_size, frames=args.vae_frames,
+                  lr=args.vae_lr, kl_weight=args.kl_weight, fg_weight=args.fg_weight,
+                  sample=args.vae_sample)
+    vae.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def latent_stats(pipe, args, state: dict, dev: torch.device) -> None:
+    """Per-channel mean and std of the posterior means over ``--stats-clips`` clips, written into
+    the VAE config (``latents_mean`` / ``latents_std``)."""
+    vae = pipe.vae.to(dev).eval()
+    batch = max(1, min(32, args.stats_clips))
+    batches = spec_batches(args.seed * 1000 + STREAM_STATS, 0, batch, args.workers)
+    total, total_sq, count, clips = None, None, 0, 0
+    while clips < args.stats_clips:
+        params, _ = next(batches)
+        x = to_model_input(render_batch(params.to(dev), args.frames, args.size)[0])
+        with _autocast(dev):
+            mu = vae.encode(x).latent_dist.mode().double()
+        s = mu.sum(dim=(0, 2, 3, 4))
+        sq = mu.square().sum(dim=(0, 2, 3, 4))
+        total = s if total is None else total + s
+        total_sq = sq if total_sq is None else total_sq + sq
+        count += mu.numel() // mu.shape[1]
+        clips += x.shape[0]
+    batches.close()
+    mean = total / count
+    std = (total_sq / count - mean.square()).clamp_min(1e-12).sqrt()
+    vae.register_to_config(latents_mean=[round(float(v), 6) for v in mean],
+                           latents_std=[round(float(v), 6) for v in std])
+    state["latent_stats_clips"] = clips
+    log("latents: mean " + " ".join(f"{v:+.2f}" for v in mean.tolist()))
+    log("latents: std  " + " ".join(f"{v:.2f}" for v in std.tolist()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 2: text encoder + transformer
+
+
+def flow_loss(transformer, text_encoder, z0: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+              generator: torch.Generator | None, shift: float,
+              seq_len: int = TEXT_SEQ_LEN) -> torch.Tensor:
+    """Rectified-flow matching loss of one batch of normalized latents ``z0``."""
+    b = z0.shape[0]
+    u = torch.rand(b, generator=generator, device=z0.device)
+    sigma = shift * u / (1.0 + (shift - 1.0) * u)
+    noise = torch.randn(z0.shape, generator=generator, device=z0.device)
+    s = sigma.view(b, 1, 1, 1, 1)
+    xt = (1.0 - s) * z0 + s * noise
+    emb = encode_text(text_encoder, ids, mask, seq_len)
+    pred = transformer(hidden_states=xt, timestep=sigma * 1000.0, encoder_hidden_states=emb,
+                       return_dict=False)[0]
+    return F.mse_loss(pred.float(), noise - z0)
+
+
+def _latent_norm(vae, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    c = vae.config.z_dim
+    mean = torch.tensor(vae.config.latents_mean, device=dev).view(1, c, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, device=dev).view(1, c, 1, 1, 1)
+    return mean, std
+
+
+@torch.no_grad()
+def encode_clips(vae, params: torch.Tensor, frames: int, size: int, mean: torch.Tensor,
+                 std: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    """Render, encode (posterior mean) and normalize a batch of clip specifications."""
+    x = to_model_input(render_batch(params.to(dev), frames, size)[0])
+    with _autocast(dev):
+        mu = vae.encode(x).latent_dist.mode()
+    return (mu.float() - mean) / std
+
+
+def _param_groups(modules: list[torch.nn.Module], weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for m in modules:
+        for p in m.parameters():
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
+              save: Callable[[list[torch.nn.Module]], None], record: dict) -> list[torch.nn.Module]:
+    """Train; returns the modules to save (the EMA copies, or the live ones without EMA). Totals
+    go to ``state["t2v"]``, this run's settings and counts to ``record``."""
+    vae = pipe.vae.to(dev).eval().requires_grad_(False)
+    te = pipe.text_encoder.to(dev).train().requires_grad_(True)
+    tr = pipe.transformer.to(dev).train().requires_grad_(True)
+    mean, std = _latent_norm(vae, dev)
+    st = state.setdefault("t2v", {"steps": 0, "samples": 0, "clips": 0, "seconds": 0.0})
+    ema = EMA([te, tr], args.ema) if args.ema > 0 else None
+    opt = torch.optim.AdamW(_param_groups([te, tr], args.weight_decay), lr=args.lr,
+                            betas=(0.9, 0.99), eps=1e-8)
+    gen = torch.Generator(dev).manual_seed(args.seed * 7 + 2 + 1000 * len(state.get("runs", [])))
+    empty_ids, empty_mask = tokenize(pipe.tokenizer, [""], args.text_len)
+    empty_ids, empty_mask = empty_ids.to(dev), empty_mask.to(dev)
+
+    # the pool of latents on the device (bf16): filled first, then a ring buffer refreshed with
+    # --fresh new clips every --fresh-every steps (encoding is the expensive part of the data)
+    fresh = max(0, args.fresh)
+    pool_z: torch.Tensor | None = None
+    pool_ids = torch.zeros(args.pool, args.text_len, dtype=torch.long, device=dev)
+    pool_mask = torch.zeros_like(pool_ids)
+    filled, ptr, clips_used = 0, 0, 0
+
+    def add(batches) -> None:
+        nonlocal pool_z, filled, ptr, clips_used
+        params, captions = next(batches)
+        z = encode_clips(vae, params, args.frames, args.size, mean, std, dev)
+        ids, msk = tokenize(pipe.tokenizer, captions, args.text_len)
+        if pool_z is None:
+            pool_z = torch.zeros((args.pool, *z.shape[1:]), dtype=torch.bfloat16, device=dev)
+        n = min(z.shape[0], args.pool - ptr)
+        pool_z[ptr:ptr + n] = z[:n].to(torch.bfloat16)
+        pool_ids[ptr:ptr + n], pool_mask[ptr:ptr + n] = ids[:n].to(dev), msk[:n].to(dev)
+        ptr = (ptr + n) % args.pool
+        filled = min(args.pool, filled + n)
+        clips_used += n
+
+    t_fill = time.perf_counter()
+    fill_batch = max(1, min(args.fill_batch, args.pool))
+    stream = args.seed * 1000 + STREAM_T2V
+    fill = spec_batches(stream, st["clips"], fill_batch, args.workers)
+    while filled < args.pool:
+        add(fill)
+    fill.close()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t_fill = time.perf_counter() - t_fill
+    batches = spec_batches(stream, st["clips"] + clips_used, fresh, args.workers) if fresh else None
+    log(f"t2v: pool of {filled} latents {tuple(pool_z.shape[1:])} filled in {t_fill:.1f} s "
+        f"({filled / max(t_fill, 1e-9):.0f} clips/s); transformer "
+        f"{sum(p.numel() for p in tr.parameters()) / 1e6:.2f} M, text encoder "
+        f"{sum(p.numel() for p in te.parameters()) / 1e6:.2f} M parameters")
+
+    budget = Budget(args.t2v_steps, args.t2v_minutes, clock)
+    log(f"t2v: batch {args.batch_size}, {fresh} fresh clips every {args.fresh_every} steps, budget "
+        f"{args.t2v_steps or '-'} steps / {budget.seconds / 60:.1f} min")
+    params_all = [p for m in (te, tr) for p in m.parameters()]
+    step, t_data, loss_sum, loss_n = 0, 0.0, 0.0, 0
+    t_last = t_saved = time.perf_counter()
+    loss = torch.zeros(())
+    while not budget.done(step):
+        t_d = time.perf_counter()
+        if batches is not None and step % max(1, args.fresh_every) == 0:
+            add(batches)
+        t_data += time.perf_counter() - t_d
+        idx = torch.randint(filled, (args.batch_size,), generator=gen, device=dev)
+        z0 = pool_z[idx].float()
+        ids, msk = pool_ids[idx], pool_mask[idx]
+        drop = torch.rand(args.batch_size, generator=gen, device=dev) < args.caption_dropout
+        ids = torch.where(drop[:, None], empty_ids, ids)
+        msk = torch.where(drop[:, None], empty_mask, msk)
+        for g in opt.param_groups:
+            g["lr"] = args.lr * lr_factor(step, budget.progress(step), args.warmup,
+                                          args.decay_frac, args.final_lr_frac)
+        with _autocast(dev):
+            loss = flow_loss(tr, te, z0, ids, msk, gen, args.shift, args.seq_len)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(params_all, 1.0)
+        opt.step()
+        if ema is not None:
+            ema.update()
+        step += 1
+        loss_sum, loss_n = loss_sum + loss.detach(), loss_n + 1
+        if step % args.log_every == 0 or step == 1:
+            dt = time.perf_counter() - t_last
+            log(f"t2v step {st['steps'] + step:6d}  loss {float(loss_sum) / loss_n:.4f}  gnorm "
+                f"{float(gnorm):.2f}  lr {opt.param_groups[0]['lr']:.2e}  "
+                f"{loss_n / dt:.1f} it/s  data {100 * t_data / dt:.0f}%  t {clock.elapsed():.0f}s")
+            t_last, t_data, loss_sum, loss_n = time.perf_counter(), 0.0, 0.0, 0
+        if args.save_every_minutes > 0 and time.perf_counter() - t_saved > 60 * args.save_every_minutes:
+            _t2v_account(st, record, step, args, clips_used, budget, loss.item())
+            save(ema.copies if ema is not None else [te, tr])
+            _t2v_unaccount(st, step, args, clips_used, budget)
+            t_saved = time.perf_counter()
+    if batches is not None:
+        batches.close()
+    _t2v_account(st, record, step, args, clips_used, budget, loss.item())
+    te.eval().requires_grad_(False)
+    tr.eval().requires_grad_(False)
+    return ema.copies if ema is not None else [te, tr]
+
+
+def _t2v_account(st: dict, record: dict, step: int, args, clips: int, budget: Budget,
+                 loss: float) -> None:
+    seconds = time.perf_counter() - budget.t0
+    st["steps"] += step
+    st["samples"] += step * args.batch_size
+    st["clips"] += clips
+    st["seconds"] += seconds
+    st["final_loss"] = loss
+    record.update(steps=step, samples=step * args.batch_size, clips=clips,
+                  seconds=round(seconds, 1), final_loss=loss, batch_size=args.batch_size,
+                  lr=args.lr, warmup=args.warmup, decay_frac=args.decay_frac, ema=args.ema,
+                  shift=args.shift, caption_dropout=args.caption_dropout, pool=args.pool,
+                  fresh=args.fresh, fresh_every=args.fresh_every, text_len=args.text_len,
+                  seq_len=getattr(args, "seq_len", TEXT_SEQ_LEN))
+
+
+def _t2v_unaccount(st: dict, step: int, args, clips: int, budget: Budget) -> None:
+    st["steps"] -= step
+    st["samples"] -= step * args.batch_size
+    st["clips"] -= clips
+    st["seconds"] -= time.perf_counter() - budget.t0
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 3: held-out evaluation through the generation code
+
+
+def _score(item: tuple[str, np.ndarray]) -> dict:
+    from attnqat.eval.procedural import score_clip
+
+    return score_clip(*item)
+
+
+def _score_all(prompts: list[str], clips: list[np.ndarray], workers: int) -> list[dict]:
+    items = list(zip(prompts, clips))
+    if workers <= 0:
+        return [_score(i) for i in items]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = mp.get_context("fork")
+    with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx) as pool:
+        return list(pool.map(_score, items, chunksize=2))
+
+
+def generate_clips(models, settings: list, pe: torch.Tensor, ne: torch.Tensor | None,
+                   lat0: torch.Tensor, method: str, backend: str, batch: int) -> list[np.ndarray]:
+    """One clip per prompt with ``method``, prompts denoised ``batch`` at a time."""
+    from attnqat.generate import decode, denoise
+    from attnqat.wan import set_method
+
+    tr = models.pipe.transformer
+    set_method(tr, method, backend=backend)
+    s0 = settings[0]
+    clips: list[np.ndarray] = []
+    for i in range(0, len(settings), batch):
+        sl = slice(i, i + batch)
+        lat = denoise(tr, models.pipe.scheduler, lat0[sl], pe[sl], None if ne is None else ne[sl],
+                      steps=s0.steps, guidance=s0.guidance, shift=s0.shift, device=models.device)
+        clips += [decode(models, lat[j:j + 1]) for j in range(lat.shape[0])]
+    return clips
+
+
+def _summary_row(summary: dict) -> dict:
+    keys = ("colour", "shape", "motion", "background", "count", "all_correct", "prompt_score",
+            "quality", "aggregate", "clips", "objects")
+    return {k: summary[k] for k in keys}
+
+
+def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
+    """Score the saved model on the held-out prompts; returns (and writes) the result."""
+    from attnqat import video as vid
+    from attnqat.eval.procedural import summarize
+    from attnqat.finetune.synthetic import heldout_prompts
+    from attnqat.generate import encode_prompts, initial_latents, resolve_settings
+    from attnqat.wan import load_models
+
+    t0 = time.perf_counter()
+    models = load_models(model_dir, device=dev)
+    prompts = heldout_prompts(args.eval_prompts)
+    methods = [m.strip() for m in args.eval_methods.split(",") if m.strip()]
+
+    def settings_for(guidance: float | None) -> list:
+        return [resolve_settings(p, methods="bf16", seed=i, steps=args.eval_steps, guidance=guidance,
+                                 height=args.eval_size, width=args.eval_size,
+                                 frames=args.eval_frames, device=str(dev), model=str(model_dir),
+                                 backend=args.eval_backend, info=models.info)[0]
+                for i, p in enumerate(prompts)]
+
+    def embeds(settings: list):
+        pairs = [encode_prompts(models, s.prompt, s.negative_prompt, s.guidance, s.max_sequence_length)
+                 for s in settings]
+        pe = torch.cat([p for p, _ in pairs])
+        ne = None if pairs[0][1] is None else torch.cat([n for _, n in pairs])
+        return pe, ne
+
+    settings = settings_for(args.eval_guidance)
+    pe, ne = embeds(settings)
+    lat0 = torch.cat([initial_latents(models, s) for s in settings])
+    s0 = settings[0]
+    result = {"model": str(model_dir), "date": _now(), "device": _device_name(dev),
+              "prompts": len(prompts), "seeds": f"0..{len(prompts) - 1} (seed i for prompt i)",
+              "settings": {"steps": s0.steps, "guidance": s0.guidance, "shift": s0.shift,
+                           "height": s0.height, "width": s0.width, "frames": s0.frames,
+                           "negative_prompt": s0.negative_prompt, "backend": args.eval_backend,
+                           "fp4_scope": "self", "batch": args.eval_batch},
+              "weights_note": models.info.weights_note, "methods": {}, "clips": []}
+    clips: dict[str, list[np.ndarray]] = {}
+    scores: dict[str, list[dict]] = {}
+    for m in methods:
+        t1 = time.perf_counter()
+        clips[m] = generate_clips(models, settings, pe, ne, lat0, m, args.eval_backend, args.eval_batch)
+        t2 = time.perf_counter()
+        scores[m] = _score_all(prompts, clips[m], args.workers)
+        row = _summary_row(summarize(scores[m]))
+        row.update(generate_s=round(t2 - t1, 2), score_s=round(time.perf_counter() - t2, 2))
+        if m != "bf16" and "bf16" in clips:
+            ps = [vid.psnr(a, b) for a, b in zip(clips[m], clips["bf16"])]
+            finite = [p for p in ps if math.isfinite(p)]
+            row["psnr_vs_bf16"] = float(np.mean(finite)) if finite else None
+            row["psnr_vs_bf16_median"] = float(np.median(finite)) if finite else None
+            row["identical_to_bf16"] = len(ps) - len(finite)
+            row["ssim_vs_bf16"] = float(np.mean([vid.ssim(a, b)
+                                                 for a, b in zip(clips[m], clips["bf16"])]))
+        result["methods"][m] = row
+        log(f"eval {m}: {len(prompts)} clips generated in {t2 - t1:.1f} s, scored in "
+            f"{time.perf_counter() - t2:.1f} s")
+    for i, p in enumerate(prompts):
+        result["clips"].append({"prompt": p, "seed": i, **{
+            m: {"colour": scores[m][i]["colour"], "shape": scores[m][i]["shape"],
+                "motion": scores[m][i]["motion"], "background": scores[m][i]["background"],
+                "all_correct": scores[m][i]["all_correct"],
+                "detected": [o.get("detected") for o in scores[m][i]["objects"]]}
+            for m in methods}})
+    sweep = [float(g) for g in args.sweep_guidance.split(",") if g.strip()]
+    if sweep:
+        result["guidance_sweep_bf16"] = {}
+        for g in sweep:
+            sg = settings_for(g)
+            pg, ng = embeds(sg)
+            cg = generate_clips(models, sg, pg, ng, lat0, "bf16", args.eval_backend, args.eval_batch)
+            scored = _score_all(prompts, cg, args.workers)
+            result["guidance_sweep_bf16"][str(g)] = _summary_row(summarize(scored))
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    path = args.eval_json or Path(str(args.out) + "-eval.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if args.eval_samples > 0:
+        k = min(args.eval_samples, len(prompts))
+        np.savez_compressed(path.with_name(path.stem + "-samples.npz"), prompts=np.array(prompts[:k]),
+                            **{m: np.stack(clips[m][:k]) for m in methods})
+    log(format_table(result))
+    return result
+
+
+def format_table(result: dict) -> str:
+    """The evaluation result as an aligned text table."""
+    cols = ("colour", "shape", "motion", "background", "all_correct")
+    lines = [f"held-out prompts: {result['prompts']} ({result['seeds']}); settings "
+             + ", ".join(f"{k} {v}" for k, v in result["settings"].items()),
+             f"{'method':<10}" + "".join(f"{c:>12}" for c in cols) + f"{'PSNR dB':>10}{'SSIM':>8}"]
+    for m, row in result["methods"].items():
+        psnr = row.get("psnr_vs_bf16")
+        ssim = row.get("ssim_vs_bf16")
+        lines.append(f"{m:<10}" + "".join(f"{100 * row[c]:>11.1f}%" for c in cols)
+                     + (f"{psnr:>10.2f}" if psnr is not None else f"{'-':>10}")
+                     + (f"{ssim:>8.3f}" if ssim is not None else f"{'-':>8}"))
+    for g, row in result.get("guidance_sweep_bf16", {}).items():
+        lines.append(f"{'bf16 g' + g:<10}" + "".join(f"{100 * row[c]:>11.1f}%" for c in cols))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def run(args: argparse.Namespace) -> int:
+    from attnqat.wan import resolve_device
+
+    clock = Clock(args.time_limit_minutes, args.reserve_minutes)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    bad = [s for s in stages if s not in STAGES]
+    if bad:
+        print(f"attnqat finetune tiny: unknown stage(s) {', '.join(bad)}; expected some of "
+              f"{', '.join(STAGES)}", file=sys.stderr)
+        return 2
+    if "export" in stages and args.resume is None:
+        print("attnqat finetune tiny: --stages export needs --resume", file=sys.stderr)
+        return 2
+    if args.frames < 1 or (args.frames - 1) % 4 or args.vae_frames < 1 or (args.vae_frames - 1) % 4:
+        print("attnqat finetune tiny: --frames and --vae-frames must be 4k+1", file=sys.stderr)
+        return 2
+    dev = resolve_device(args.device)
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True   # fixed shapes: the VAE's 3-D convolutions gain
+
+    if args.resume is not None:
+        pipe, cfg, sidecar = load_for_training(args.resume)
+        state = copy.deepcopy(sidecar.get("training", {}))
+        done = {k: state.get(k, {}).get("steps", 0) for k in ("vae", "t2v")}
+        log(f"resumed from {args.resume}: {done['vae']} VAE steps, {done['t2v']} t2v steps")
+    else:
+        overrides = json.loads(args.config) if args.config else {}
+        cfg = replace(tiny.TinyWanConfig(), **overrides)
+        pipe = tiny.build_tiny_pipeline(args.seed, cfg)
+        state = {}
+    if args.defaults:
+        cfg = replace(cfg, defaults={**cfg.defaults, **json.loads(args.defaults)})
+    # the padded length of the prompt embeddings, as the pipeline will pad them at inference
+    args.seq_len = int(cfg.defaults.get("max_sequence_length", TEXT_SEQ_LEN))
+    if args.text_len > args.seq_len:
+        print(f"attnqat finetune tiny: --text-len {args.text_len} exceeds the model's "
+              f"max_sequence_length {args.seq_len}", file=sys.stderr)
+        return 2
+    run_rec = {"date": _now(), "device": _device_name(dev), "stages": stages,
+               "command": "attnqat finetune tiny " + shlex.join(sys.argv[1:])
+               if sys.argv and not sys.argv[0].endswith("pytest") else None}
+    state.setdefault("runs", [])
+    n_runs = len(state["runs"])
+    log(f"device {run_rec['device']}; stages {', '.join(stages)}; "
+        f"config {json.dumps(tiny.config_dict(cfg))}")
+
+    trained = False
+    training = "vae" in stages or "t2v" in stages
+    if "vae" in stages:
+        run_rec["vae"] = {}
+        train_vae(pipe, args, state, dev, clock, run_rec["vae"])
+        if args.vae_train == "all":   # a frozen encoder keeps its latent statistics
+            latent_stats(pipe, args, state, dev)
+        trained = True
+    to_save = [pipe.text_encoder, pipe.transformer]
+
+    def save(modules: list[torch.nn.Module]) -> None:
+        from diffusers import WanPipeline
+
+        out_pipe = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=modules[0], vae=pipe.vae,
+                               scheduler=pipe.scheduler, transformer=modules[1])
+        if training:   # an export adds no run
+            state["runs"] = state["runs"][:n_runs] + [dict(run_rec, seconds=round(clock.elapsed(), 1))]
+        save_model(out_pipe, args.out, args.qat_out, cfg, state, args.seed)
+        log(f"saved {args.out}" + (f" and {args.qat_out}" if args.qat_out else "")
+            + f" (t {clock.elapsed():.0f}s)")
+
+    if "t2v" in stages:
+        run_rec["t2v"] = {}
+        to_save = train_t2v(pipe, args, state, dev, clock, save, run_rec["t2v"])
+        trained = True
+    if trained or "export" in stages:
+        save(to_save)
+    if "eval" in stages:
+        if not (Path(args.out) / "model_index.json").is_file():
+            print(f"attnqat finetune tiny: nothing to evaluate at {args.out}", file=sys.stderr)
+            return 2
+        evaluate(Path(args.out), args, dev)
+    log(f"done in {clock.elapsed():.0f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m attnqat.finetune.tiny_train",
+        description="Train the embedded tiny Wan 2.1 model (VAE, text encoder, transformer) on the "
+                    "synthetic shapes data, save it in diffusers format and score it on the "
+                    "held-out prompts.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
