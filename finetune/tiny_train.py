@@ -789,7 +789,7 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
     """Score the saved model on the held-out prompts; returns (and writes) the result."""
     from attnqat import video as vid
     from attnqat.eval.procedural import summarize
-    from attnqat.finetune.synthetic import heldout_prompts
+    from attnqat.finetune.synthetic import heldout_prompts, parse_caption
     from attnqat.generate import encode_prompts, initial_latents, resolve_settings
     from attnqat.wan import load_models
 
@@ -825,12 +825,17 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
               "weights_note": models.info.weights_note, "methods": {}, "clips": []}
     clips: dict[str, list[np.ndarray]] = {}
     scores: dict[str, list[dict]] = {}
+    n_objects = [len(parse_caption(p).objects) for p in prompts]
     for m in methods:
         t1 = time.perf_counter()
         clips[m] = generate_clips(models, settings, pe, ne, lat0, m, args.eval_backend, args.eval_batch)
         t2 = time.perf_counter()
         scores[m] = _score_all(prompts, clips[m], args.workers)
         row = _summary_row(summarize(scores[m]))
+        # where the errors are: one-object against two-object prompts
+        row["by_objects"] = {str(n): _summary_row(summarize([s for s, k in zip(scores[m], n_objects)
+                                                             if k == n]))
+                             for n in sorted(set(n_objects))}
         row.update(generate_s=round(t2 - t1, 2), score_s=round(time.perf_counter() - t2, 2))
         if m != "bf16" and "bf16" in clips:
             ps = [vid.psnr(a, b) for a, b in zip(clips[m], clips["bf16"])]
@@ -883,6 +888,10 @@ def format_table(result: dict) -> str:
         lines.append(f"{m:<10}" + "".join(f"{100 * row[c]:>11.1f}%" for c in cols)
                      + (f"{psnr:>10.2f}" if psnr is not None else f"{'-':>10}")
                      + (f"{ssim:>8.3f}" if ssim is not None else f"{'-':>8}"))
+    for m, row in result["methods"].items():
+        for n, sub in row.get("by_objects", {}).items():
+            lines.append(f"{m + ' ' + n + ' obj':<10}" + "".join(f"{100 * sub[c]:>11.1f}%" for c in cols)
+                         + f"   ({sub['clips']} prompts)")
     for g, row in result.get("guidance_sweep_bf16", {}).items():
         lines.append(f"{'bf16 g' + g:<10}" + "".join(f"{100 * row[c]:>11.1f}%" for c in cols))
     return "\n".join(lines)

@@ -194,6 +194,9 @@ def test_eval_stage_scores_every_method_through_the_generation_code(trained, cap
     for m, row in res["methods"].items():
         assert all(0.0 <= row[k] <= 1.0 for k in ("colour", "shape", "motion", "all_correct"))
         assert (row.get("ssim_vs_bf16") is None) == (m == "bf16")
+        # the per-object-count rows cover the prompts exactly once
+        assert sum(sub["clips"] for sub in row["by_objects"].values()) == 2
+        assert set(row["by_objects"]) <= {"1", "2"}
     assert [c["prompt"] for c in res["clips"]] == heldout_prompts(2)
     assert "sage3" in capsys.readouterr().out
     # the batched evaluation gives the clip `attnqat generate` gives for that prompt and seed
