@@ -141,6 +141,9 @@ def test_page_generates_plays_in_sync_blind_mode_and_stays_local(app, tmp_path):
             for elem, value in (("#aq-steps", "2"), ("#aq-frames", "17")):
                 page.fill(f"{elem} input[type=number]", value)
                 page.press(f"{elem} input[type=number]", "Enter")
+                # leave the field too: the slider commits its number box on blur as well (once,
+                # on a loaded machine, a click right after Enter sent the old frame count)
+                page.press(f"{elem} input[type=number]", "Tab")
             page.fill("#aq-resolution input", "64x64")
             page.press("#aq-resolution input", "Enter")
 
