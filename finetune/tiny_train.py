@@ -729,7 +729,7 @@ def _t2v_account(st: dict, record: dict, step: int, args, clips: int, budget: Bu
                   lr=args.lr, warmup=args.warmup, decay_frac=args.decay_frac, ema=args.ema,
                   shift=args.shift, caption_dropout=args.caption_dropout, pool=args.pool,
                   fresh=args.fresh, fresh_every=args.fresh_every, text_len=args.text_len,
-                  seq_len=getattr(args, "seq_len", TEXT_SEQ_LEN))
+                  seq_len=args.seq_len)
 
 
 def _t2v_unaccount(st: dict, step: int, args, clips: int, budget: Budget) -> None:
@@ -789,13 +789,14 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
     """Score the saved model on the held-out prompts; returns (and writes) the result."""
     from attnqat import video as vid
     from attnqat.eval.procedural import summarize
-    from attnqat.finetune.synthetic import heldout_prompts, parse_caption
+    from attnqat.finetune.synthetic import heldout_specs
     from attnqat.generate import encode_prompts, initial_latents, resolve_settings
     from attnqat.wan import load_models
 
     t0 = time.perf_counter()
     models = load_models(model_dir, device=dev)
-    prompts = heldout_prompts(args.eval_prompts)
+    specs = heldout_specs(args.eval_prompts)
+    prompts = [s.caption for s in specs]
     methods = [m.strip() for m in args.eval_methods.split(",") if m.strip()]
 
     def settings_for(guidance: float | None) -> list:
@@ -825,7 +826,7 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
               "weights_note": models.info.weights_note, "methods": {}, "clips": []}
     clips: dict[str, list[np.ndarray]] = {}
     scores: dict[str, list[dict]] = {}
-    n_objects = [len(parse_caption(p).objects) for p in prompts]
+    n_objects = [len(s.objects) for s in specs]
     for m in methods:
         t1 = time.perf_counter()
         clips[m] = generate_clips(models, settings, pe, ne, lat0, m, args.eval_backend, args.eval_batch)

@@ -19,6 +19,9 @@ import attnqat
 from attnqat import reference as ref
 from attnqat.metrics import rel_error
 
+import qkv_data
+from qkv_data import bhsd
+
 kernels = pytest.importorskip("attnqat.kernels")
 from attnqat.kernels import attention_fwd as F  # noqa: E402
 from attnqat.kernels import quantize as kq  # noqa: E402
@@ -30,24 +33,8 @@ TOL = 1e-2
 
 
 def make_qkv(B=1, Sq=40, Skv=None, H=2, D=64, outliers=False, seed=0, dtype=torch.bfloat16):
-    g = torch.Generator().manual_seed(seed)
-    Skv = Skv or Sq
-    if outliers:
-        # heavy tails (Student-t, ν=2) and K with a large per-channel offset, as in real models
-        torch.manual_seed(seed)
-        t = torch.distributions.StudentT(2.0)
-        q = t.sample((B, Sq, H, D)).clamp(-60, 60)
-        k = t.sample((B, Skv, H, D)).clamp(-60, 60) + 8.0 * torch.randn(1, 1, H, D, generator=g)
-        v = t.sample((B, Skv, H, D)).clamp(-60, 60)
-    else:
-        q = torch.randn(B, Sq, H, D, generator=g)
-        k = torch.randn(B, Skv, H, D, generator=g)
-        v = torch.randn(B, Skv, H, D, generator=g)
+    q, k, v = qkv_data.make_qkv(B, Sq, Skv or Sq, H, D, outliers, seed)
     return q.to(DEV, dtype), k.to(DEV, dtype), v.to(DEV, dtype)
-
-
-def bhsd(t):
-    return t.transpose(1, 2).float()
 
 
 def ref_forward(q, k, v, method, need_o_prime=False):

@@ -11,6 +11,9 @@ import attnqat
 from attnqat import reference as ref
 from attnqat.metrics import rel_error
 
+import qkv_data
+from qkv_data import bhsd
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 TOL = 1e-2
@@ -18,22 +21,7 @@ WAN = dict(B=1, S=32760, H=12, D=128)
 
 
 def make_qkv(B, Sq, Skv, H, D, outliers=False, seed=0, dtype=torch.bfloat16):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    if outliers:
-        torch.manual_seed(seed)
-        t = torch.distributions.StudentT(torch.tensor(2.0, device="cuda"))
-        q = t.sample((B, Sq, H, D)).clamp(-60, 60)
-        k = t.sample((B, Skv, H, D)).clamp(-60, 60) + 8.0 * torch.randn(1, 1, H, D, device="cuda", generator=g)
-        v = t.sample((B, Skv, H, D)).clamp(-60, 60)
-    else:
-        q = torch.randn(B, Sq, H, D, device="cuda", generator=g)
-        k = torch.randn(B, Skv, H, D, device="cuda", generator=g)
-        v = torch.randn(B, Skv, H, D, device="cuda", generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def bhsd(t):
-    return t.transpose(1, 2).float()
+    return qkv_data.make_qkv(B, Sq, Skv, H, D, outliers, seed, dtype, device="cuda")
 
 
 @pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])

@@ -11,26 +11,12 @@ from attnqat import attention, fake_quantize_nvfp4
 from attnqat import reference as ref
 from attnqat.metrics import compare, rel_error
 
+import qkv_data
+from qkv_data import bhsd
+
 
 def make_qkv(B=1, Sq=40, Skv=None, H=2, D=32, outliers=False, seed=0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    Skv = Skv or Sq
-    if outliers:
-        # heavy tails (Student-t, ν=2) plus K with a large per-channel offset, as in real models
-        t = torch.distributions.StudentT(2.0)
-        torch.manual_seed(seed)
-        q = t.sample((B, Sq, H, D)).clamp(-60, 60)
-        k = t.sample((B, Skv, H, D)).clamp(-60, 60) + 8.0 * torch.randn(1, 1, H, D, generator=g)
-        v = t.sample((B, Skv, H, D)).clamp(-60, 60)
-    else:
-        q = torch.randn(B, Sq, H, D, generator=g)
-        k = torch.randn(B, Skv, H, D, generator=g)
-        v = torch.randn(B, Skv, H, D, generator=g)
-    return q.to(dtype), k.to(dtype), v.to(dtype)
-
-
-def bhsd(t):
-    return t.transpose(1, 2).float()
+    return qkv_data.make_qkv(B, Sq, Skv or Sq, H, D, outliers, seed, dtype)
 
 
 def materialized_nvfp4(q, k, v, scale):
