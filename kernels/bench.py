@@ -160,6 +160,13 @@ def _print_row(r: dict) -> None:
 # Variants (how the design was chosen)
 # ----------------------------------------------------------------------------------------------
 
+def _copy_gbps(rep_ms: float) -> float:
+    """Device-to-device copy bandwidth (bytes read + written) of a 256 MiB buffer, GB/s."""
+    big = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
+    big2 = torch.empty_like(big)
+    return 2 * big.numel() / _bench(lambda: big2.copy_(big), rep_ms) * 1e-6
+
+
 def time_quantize(rep_ms: float) -> list[dict]:
     """Quantize kernel bandwidth (bytes read + written) at the Wan 1.3B shape vs a device copy."""
     from . import quantize as kq  # noqa: PLC0415
@@ -167,11 +174,8 @@ def time_quantize(rep_ms: float) -> list[dict]:
     B, S, H, D = 1, 32760, 12, 128
     x = torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16)
     n = x.numel()
-    big = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
-    big2 = torch.empty_like(big)
-    copy_ms = _bench(lambda: big2.copy_(big), rep_ms)
-    copy_bw = 2 * big.numel() / copy_ms * 1e-6
-    rows = [dict(name="device copy 256 MiB", ms=copy_ms, gbps=copy_bw, pct=100.0)]
+    copy_bw = _copy_gbps(rep_ms)
+    rows = [dict(name="device copy 256 MiB", ms=2 * (256 << 20) / copy_bw * 1e-6, gbps=copy_bw, pct=100.0)]
     cases = [
         ("Q along head_dim -> packed", lambda: kq.quantize_nvfp4(x, -1), 2 * n + n // 2 + n // 16),
         ("V along tokens -> packed", lambda: kq.quantize_nvfp4(x, 1), 2 * n + n // 2 + n // 16),
@@ -204,9 +208,7 @@ def sweep_quantize_tiles(rep_ms: float) -> dict:
 
     x = torch.randn(1, 32760, 12, 128, device="cuda", dtype=torch.bfloat16)
     n = x.numel()
-    big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    big2 = torch.empty_like(big)
-    copy_bw = 2 * big.numel() / _bench(lambda: big2.copy_(big), rep_ms) * 1e-6
+    copy_bw = _copy_gbps(rep_ms)
     nbytes = 2 * n + n // 2 + n // 16
     tiles = {1: [(tr, 16, w, s) for tr, w, s in itertools.product((64, 128, 256, 512), (1, 2, 4), (1, 2))],
              -1: [(tr, 128, w, 1) for tr, w in itertools.product((16, 32, 64), (2, 4, 8))]}
