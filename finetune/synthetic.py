@@ -338,12 +338,21 @@ def _choose_triples(rng: np.random.Generator, pool: Sequence[tuple[str, str, str
     return chosen
 
 
+def _check_object_weights(weights: Sequence[float] | None, max_objects: int) -> None:
+    if weights is None:
+        return
+    if len(weights) != max_objects or any(not w >= 0 for w in weights) or not sum(weights) > 0:
+        raise ValueError(f"object_weights must be {max_objects} non-negative numbers (for 1.."
+                         f"{max_objects} objects) with a positive sum, got {list(weights)}")
+
+
 def sample_spec(rng: np.random.Generator, split: str = "train", max_objects: int = 2,
-                aspect: float = 1.0) -> ClipSpec:
+                aspect: float = 1.0, object_weights: Sequence[float] | None = None) -> ClipSpec:
     """Draw one clip (caption and geometry) from ``split`` (``"train"`` or ``"heldout"``).
 
     The background is uniform over :data:`BACKGROUNDS`; the number of objects uniform in
-    1..``max_objects``; each object's colour × shape × motion triple is uniform over the split's
+    1..``max_objects``, or drawn with the relative ``object_weights`` (one per count, 1 first);
+    each object's colour × shape × motion triple is uniform over the split's
     triples whose colour differs from the background and from the other objects'. Objects never
     overlap and stay inside the frame (``aspect`` = width / height). A ``"train"`` spec never
     contains a held-out triple.
@@ -352,9 +361,14 @@ def sample_spec(rng: np.random.Generator, split: str = "train", max_objects: int
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     if not 1 <= max_objects <= MAX_OBJECTS:
         raise ValueError(f"max_objects must be in 1..{MAX_OBJECTS}, got {max_objects}")
+    _check_object_weights(object_weights, max_objects)
     pool = TRAIN_TRIPLES if split == "train" else HELDOUT_TRIPLES
     background = BACKGROUNDS[int(rng.integers(len(BACKGROUNDS)))]
-    n = int(rng.integers(1, max_objects + 1))
+    if object_weights is None:
+        n = int(rng.integers(1, max_objects + 1))
+    else:
+        w = np.asarray(object_weights, dtype=np.float64)
+        n = 1 + int(rng.choice(max_objects, p=w / w.sum()))
     triples = _choose_triples(rng, pool, n, background)
     for _ in range(200):
         objects = [_sample_geometry(rng, ObjectSpec(*t), aspect) for t in triples]
@@ -369,11 +383,11 @@ def _rng_at(seed: int, index: int, stream: int = 0) -> np.random.Generator:
 
 
 def spec_at(seed: int, index: int, split: str = "train", max_objects: int = 2,
-            aspect: float = 1.0) -> ClipSpec:
+            aspect: float = 1.0, object_weights: Sequence[float] | None = None) -> ClipSpec:
     """The ``index``-th clip spec of the stream with ``seed``: independent of every other index,
     so any worker can compute any item."""
     stream = 0 if split == "train" else 1
-    return sample_spec(_rng_at(seed, index, stream), split, max_objects, aspect)
+    return sample_spec(_rng_at(seed, index, stream), split, max_objects, aspect, object_weights)
 
 
 def with_layout(spec: ClipSpec, seed: int = 0, aspect: float = 1.0) -> ClipSpec:

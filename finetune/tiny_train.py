@@ -24,9 +24,12 @@ Stages (``--stages``, run in this order; any subset):
     what gets saved. Latents come from a pool on the device: ``--pool`` clips are rendered and
     encoded first, then every ``--fresh-every`` steps ``--fresh`` new clips replace the oldest,
     and each step trains on ``--batch-size`` latents drawn from the pool at random.
+    ``--two-objects`` sets the share of two-object clips (the stream's default is half);
+    ``--grow-layers N`` deepens a resumed transformer without changing its function
+    (:func:`grow_transformer`); ``--compile`` runs the transformer through ``torch.compile``.
 ``eval``
     Generate one clip per held-out prompt (:func:`attnqat.finetune.synthetic.heldout_prompts`,
-    prompt ``i`` with seed ``i``) for each method through the project's generation code
+    prompt ``i`` with seed ``i``; ``--eval-offset K`` starts at prompt ``K``) for each method through the project's generation code
     (:func:`attnqat.wan.load_models`, :func:`attnqat.generate.encode_prompts`,
     :func:`~attnqat.generate.initial_latents`, :func:`~attnqat.generate.denoise`,
     :func:`~attnqat.generate.decode`; prompts are denoised in batches), score them with
@@ -169,10 +172,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens the text encoder sees in training (captions are shorter; the "
                         "embeddings are zero-padded to the model's max_sequence_length, 32 for "
                         "a new model, as the pipeline pads them at inference)")
+    g.add_argument("--two-objects", type=float, default=None, metavar="FRAC",
+                   help="fraction of training clips with two objects (default: the stream's "
+                        "uniform choice of one or two, i.e. 0.5, with the same draws)")
+    g.add_argument("--grow-layers", type=int, default=0, metavar="N",
+                   help="with --resume: deepen the loaded transformer to N blocks (up to twice "
+                        "its depth) before training, inserting after an existing block a copy of "
+                        "it whose output projections are zero, so the model starts from the same "
+                        "function (0: keep the depth)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the transformer for training (faster steps after a "
+                        "compilation of about a minute; numerics as eager up to rounding)")
 
     g = parser.add_argument_group("eval stage")
     g.add_argument("--eval-prompts", type=int, default=100,
                    help="held-out prompts (seed i for prompt i)")
+    g.add_argument("--eval-offset", type=int, default=0,
+                   help="skip the first K held-out prompts (score prompts K.. with seeds K..: a "
+                        "set of prompts not looked at while training and choosing a checkpoint)")
     g.add_argument("--eval-methods", default="bf16,nvfp4,sage3", help="attention methods to score")
     g.add_argument("--eval-backend", default="torch",
                    help="attention backend of the 4-bit methods: torch (reference) | auto | triton")
@@ -277,8 +294,10 @@ class SpecStream(IterableDataset):
     ``w`` of ``n`` makes the batches ``b % n == w``, and the loader hands them out in order, so the
     stream is the same whatever the number of workers."""
 
-    def __init__(self, seed: int, start: int, batch: int, max_objects: int = 2) -> None:
+    def __init__(self, seed: int, start: int, batch: int, max_objects: int = 2,
+                 object_weights: tuple[float, ...] | None = None) -> None:
         self.seed, self.start, self.batch, self.max_objects = seed, start, batch, max_objects
+        self.object_weights = object_weights
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
         info = get_worker_info()
@@ -286,18 +305,21 @@ class SpecStream(IterableDataset):
         b = w
         while True:
             k0 = self.start + b * self.batch
-            specs = [spec_at(self.seed, k, "train", self.max_objects)
+            specs = [spec_at(self.seed, k, "train", self.max_objects,
+                             object_weights=self.object_weights)
                      for k in range(k0, k0 + self.batch)]
             yield (torch.from_numpy(np.stack([spec_params(s) for s in specs])),
                    [s.caption for s in specs])
             b += n
 
 
-def spec_batches(seed: int, start: int, batch: int,
-                 workers: int) -> Iterator[tuple[torch.Tensor, list[str]]]:
+def spec_batches(seed: int, start: int, batch: int, workers: int,
+                 object_weights: tuple[float, ...] | None = None
+                 ) -> Iterator[tuple[torch.Tensor, list[str]]]:
     """Endless ``(params (B, PARAMS) float64, captions)`` batches of the training stream from
-    item ``start`` on."""
-    loader = DataLoader(SpecStream(seed, start, batch), batch_size=None, num_workers=workers,
+    item ``start`` on (``object_weights``: see :func:`synthetic.sample_spec`)."""
+    loader = DataLoader(SpecStream(seed, start, batch, object_weights=object_weights),
+                        batch_size=None, num_workers=workers,
                         persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None)
     yield from loader
 
@@ -407,6 +429,35 @@ def load_for_training(folder: Path):
     for m in (pipe.vae, pipe.text_encoder, pipe.transformer):
         m.float()
     return pipe, _config_from(sidecar), sidecar
+
+
+def grow_transformer(transformer, layers: int) -> list[int]:
+    """Deepen a ``WanTransformer3DModel`` in place to ``layers`` blocks without changing what it
+    computes: after some existing blocks (evenly spread; after every one when doubling) insert a
+    copy of that block whose self-attention, cross-attention and feed-forward output projections
+    are zero, so the copy adds nothing to the residual stream until training moves them. Returns
+    the indices (in the new stack) of the inserted blocks."""
+    blocks = transformer.blocks
+    depth = len(blocks)
+    if not depth < layers <= 2 * depth:
+        raise ValueError(f"--grow-layers must be in {depth + 1}..{2 * depth} for a transformer of "
+                         f"{depth} blocks (grow in several runs for more), got {layers}")
+    extra = layers - depth
+    after = {int((j + 0.5) * depth / extra) for j in range(extra)}   # distinct: extra <= depth
+    new_blocks, inserted = [], []
+    for i, block in enumerate(blocks):
+        new_blocks.append(block)
+        if i in after:
+            twin = copy.deepcopy(block)
+            for lin in (twin.attn1.to_out[0], twin.attn2.to_out[0], twin.ffn.net[-1]):
+                torch.nn.init.zeros_(lin.weight)
+                if lin.bias is not None:
+                    torch.nn.init.zeros_(lin.bias)
+            inserted.append(len(new_blocks))
+            new_blocks.append(twin)
+    transformer.blocks = torch.nn.ModuleList(new_blocks)
+    transformer.register_to_config(num_layers=layers)
+    return inserted
 
 
 def weights_note(state: dict) -> str:
@@ -653,19 +704,23 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
     t_fill = time.perf_counter()
     fill_batch = max(1, min(args.fill_batch, args.pool))
     stream = args.seed * 1000 + STREAM_T2V
-    fill = spec_batches(stream, st["clips"], fill_batch, args.workers)
+    weights = None if args.two_objects is None else (1.0 - args.two_objects, args.two_objects)
+    fill = spec_batches(stream, st["clips"], fill_batch, args.workers, weights)
     while filled < args.pool:
         add(fill)
     fill.close()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     t_fill = time.perf_counter() - t_fill
-    batches = spec_batches(stream, st["clips"] + clips_used, fresh, args.workers) if fresh else None
+    batches = (spec_batches(stream, st["clips"] + clips_used, fresh, args.workers, weights)
+               if fresh else None)
     log(f"t2v: pool of {filled} latents {tuple(pool_z.shape[1:])} filled in {t_fill:.1f} s "
         f"({filled / max(t_fill, 1e-9):.0f} clips/s); transformer "
         f"{sum(p.numel() for p in tr.parameters()) / 1e6:.2f} M, text encoder "
         f"{sum(p.numel() for p in te.parameters()) / 1e6:.2f} M parameters")
 
+    if args.compile:
+        tr.compile()   # in place: the parameters (and the EMA's copies of them) stay the same
     budget = Budget(args.t2v_steps, args.t2v_minutes, clock)
     log(f"t2v: batch {args.batch_size}, {fresh} fresh clips every {args.fresh_every} steps, budget "
         f"{args.t2v_steps or '-'} steps / {budget.seconds / 60:.1f} min")
@@ -687,10 +742,19 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
         for g in opt.param_groups:
             g["lr"] = args.lr * lr_factor(step, budget.progress(step), args.warmup,
                                           args.decay_frac, args.final_lr_frac)
-        with _autocast(dev):
-            loss = flow_loss(tr, te, z0, ids, msk, gen, args.shift, args.seq_len)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        try:
+            with _autocast(dev):
+                loss = flow_loss(tr, te, z0, ids, msk, gen, args.shift, args.seq_len)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        except Exception as e:   # only the compilation may fail, at the first step
+            if not (args.compile and step == 0):
+                raise
+            log(f"WARNING: torch.compile of the transformer failed ({type(e).__name__}: "
+                f"{str(e)[:300]}); training this run eagerly (same numerics, slower)")
+            tr._compiled_call_impl = None
+            args.compile = False
+            continue
         gnorm = torch.nn.utils.clip_grad_norm_(params_all, 1.0)
         opt.step()
         if ema is not None:
@@ -729,7 +793,8 @@ def _t2v_account(st: dict, record: dict, step: int, args, clips: int, budget: Bu
                   lr=args.lr, warmup=args.warmup, decay_frac=args.decay_frac, ema=args.ema,
                   shift=args.shift, caption_dropout=args.caption_dropout, pool=args.pool,
                   fresh=args.fresh, fresh_every=args.fresh_every, text_len=args.text_len,
-                  seq_len=args.seq_len)
+                  seq_len=args.seq_len, two_objects=args.two_objects,
+                  grow_layers=args.grow_layers or None, compile=args.compile)
 
 
 def _t2v_unaccount(st: dict, step: int, args, clips: int, budget: Budget) -> None:
@@ -795,12 +860,13 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
 
     t0 = time.perf_counter()
     models = load_models(model_dir, device=dev)
-    specs = heldout_specs(args.eval_prompts)
+    first = args.eval_offset
+    specs = heldout_specs(first + args.eval_prompts)[first:]
     prompts = [s.caption for s in specs]
     methods = [m.strip() for m in args.eval_methods.split(",") if m.strip()]
 
     def settings_for(guidance: float | None) -> list:
-        return [resolve_settings(p, methods="bf16", seed=i, steps=args.eval_steps, guidance=guidance,
+        return [resolve_settings(p, methods="bf16", seed=first + i, steps=args.eval_steps, guidance=guidance,
                                  height=args.eval_size, width=args.eval_size,
                                  frames=args.eval_frames, device=str(dev), model=str(model_dir),
                                  backend=args.eval_backend, info=models.info)[0]
@@ -818,7 +884,8 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
     lat0 = torch.cat([initial_latents(models, s) for s in settings])
     s0 = settings[0]
     result = {"model": str(model_dir), "date": _now(), "device": _device_name(dev),
-              "prompts": len(prompts), "seeds": f"0..{len(prompts) - 1} (seed i for prompt i)",
+              "prompts": len(prompts), "first_prompt": first,
+              "seeds": f"{first}..{first + len(prompts) - 1} (seed i for held-out prompt i)",
               "settings": {"steps": s0.steps, "guidance": s0.guidance, "shift": s0.shift,
                            "height": s0.height, "width": s0.width, "frames": s0.frames,
                            "negative_prompt": s0.negative_prompt, "backend": args.eval_backend,
@@ -850,7 +917,7 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
         log(f"eval {m}: {len(prompts)} clips generated in {t2 - t1:.1f} s, scored in "
             f"{time.perf_counter() - t2:.1f} s")
     for i, p in enumerate(prompts):
-        result["clips"].append({"prompt": p, "seed": i, **{
+        result["clips"].append({"prompt": p, "seed": first + i, **{
             m: {"colour": scores[m][i]["colour"], "shape": scores[m][i]["shape"],
                 "motion": scores[m][i]["motion"], "background": scores[m][i]["background"],
                 "all_correct": scores[m][i]["all_correct"],
@@ -926,6 +993,14 @@ def run(args: argparse.Namespace) -> int:
     if args.frames < 1 or (args.frames - 1) % 4 or args.vae_frames < 1 or (args.vae_frames - 1) % 4:
         print("attnqat finetune tiny: --frames and --vae-frames must be 4k+1", file=sys.stderr)
         return 2
+    if args.eval_offset < 0 or args.eval_prompts < 1:
+        print("attnqat finetune tiny: --eval-offset must be >= 0 and --eval-prompts >= 1",
+              file=sys.stderr)
+        return 2
+    if args.two_objects is not None and not 0.0 <= args.two_objects <= 1.0:
+        print(f"attnqat finetune tiny: --two-objects must be in [0, 1], got {args.two_objects}",
+              file=sys.stderr)
+        return 2
     dev = resolve_device(args.device)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -944,6 +1019,19 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(tiny.TinyWanConfig(), **overrides)
         pipe = tiny.build_tiny_pipeline(args.seed, cfg)
         state = {}
+    if args.grow_layers:
+        if args.resume is None or "t2v" not in stages:
+            print("attnqat finetune tiny: --grow-layers needs --resume and the t2v stage",
+                  file=sys.stderr)
+            return 2
+        try:
+            inserted = grow_transformer(pipe.transformer, args.grow_layers)
+        except ValueError as e:
+            print(f"attnqat finetune tiny: {e}", file=sys.stderr)
+            return 2
+        cfg = replace(cfg, num_layers=args.grow_layers)
+        log(f"transformer grown to {args.grow_layers} blocks (new, zero-output blocks at "
+            f"{inserted})")
     if args.defaults:
         cfg = replace(cfg, defaults={**cfg.defaults, **json.loads(args.defaults)})
     # the padded length of the prompt embeddings, as the pipeline will pad them at inference

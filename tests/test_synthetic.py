@@ -106,6 +106,19 @@ def test_training_stream_never_emits_a_heldout_combination():
         assert S.split_of(caption) == "heldout"
 
 
+def test_object_weights_set_the_share_of_two_object_clips():
+    counts = [len(S.spec_at(4, k, object_weights=(1.0, 3.0)).objects) for k in range(2000)]
+    assert abs(counts.count(2) / len(counts) - 0.75) < 0.04
+    assert all(len(S.spec_at(4, k, object_weights=(0.0, 1.0)).objects) == 2 for k in range(50))
+    assert all(len(S.spec_at(4, k, object_weights=(1.0, 0.0)).objects) == 1 for k in range(50))
+    # weighted streams stay training-only and deterministic
+    assert all(S.split_of(S.spec_at(4, k, object_weights=(1, 3))) == "train" for k in range(200))
+    assert S.spec_at(4, 9, object_weights=(1, 3)) == S.spec_at(4, 9, object_weights=(1, 3))
+    for bad in ((1.0,), (1.0, -1.0), (0.0, 0.0), (1.0, float("nan"))):
+        with pytest.raises(ValueError, match="object_weights"):
+            S.spec_at(4, 0, object_weights=bad)
+
+
 def test_heldout_prompts_are_fixed_distinct_and_prefix_stable():
     a = S.heldout_prompts(60)
     assert len(set(a)) == 60

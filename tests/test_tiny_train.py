@@ -163,6 +163,55 @@ def test_resume_continues_from_the_saved_weights(trained):
     assert all(torch.equal(va[k], vb[k]) for k in va)   # the VAE is frozen after its stage
 
 
+def test_grow_transformer_keeps_the_function_and_deepens_the_stack():
+    torch.manual_seed(0)
+    tr = tiny.build_tiny_pipeline(0, tiny.TinyWanConfig(**{**SMALL, "num_layers": 2})).transformer
+    for p in tr.parameters():   # no zero output projection anywhere before growing
+        torch.nn.init.normal_(p, std=0.2)
+    x, t, e = torch.randn(2, 16, 2, 4, 4), torch.tensor([300.0, 800.0]), torch.randn(2, 32, 32)
+
+    def run():
+        with torch.no_grad():
+            return tr(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False)[0]
+
+    before = run()
+    old = list(tr.blocks)
+    assert tt.grow_transformer(tr, 4) == [1, 3]
+    assert len(tr.blocks) == 4 and tr.config.num_layers == 4
+    assert tr.blocks[0] is old[0] and tr.blocks[2] is old[1]
+    assert torch.equal(tr.blocks[1].attn1.to_q.weight, old[0].attn1.to_q.weight)
+    assert not tr.blocks[1].ffn.net[-1].weight.detach().any()
+    assert torch.equal(run(), before)
+    assert tt.grow_transformer(tr, 5) == [3]   # one block more: inserted mid-stack
+    assert torch.equal(run(), before)
+    with pytest.raises(ValueError, match="grow-layers"):
+        tt.grow_transformer(tr, 11)
+
+
+def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained):
+    """--grow-layers, --two-objects and --compile on a resumed run, then --eval-offset."""
+    from attnqat.finetune.synthetic import heldout_prompts
+
+    root, out = trained
+    grown = root / "grown"
+    rc = tt.main(["--stages", "t2v,eval", "--resume", str(out), "--out", str(grown),
+                  "--t2v-steps", "2", "--grow-layers", "2", "--two-objects", "0.8", "--compile",
+                  "--eval-methods", "bf16", "--eval-prompts", "2", "--eval-offset", "3",
+                  "--eval-batch", "2", "--eval-json", str(root / "grown.json"), *SMALL_RUN])
+    assert rc == 0
+    side = json.loads((grown / tiny.SIDECAR).read_text())
+    assert side["config"]["num_layers"] == 2
+    assert json.loads((grown / "transformer" / "config.json").read_text())["num_layers"] == 2
+    run = side["training"]["runs"][-1]["t2v"]
+    assert run["grow_layers"] == 2 and run["two_objects"] == 0.8 and run["steps"] == 2
+    assert run["compile"] is True   # (a failed compilation would say so and record False)
+    keys = load_file(str(grown / "transformer" / "diffusion_pytorch_model.safetensors")).keys()
+    assert any(k.startswith("blocks.1.") for k in keys) and not any("_orig_mod" in k for k in keys)
+    res = json.loads((root / "grown.json").read_text())
+    assert [c["prompt"] for c in res["clips"]] == heldout_prompts(5)[3:]
+    assert [c["seed"] for c in res["clips"]] == [3, 4] and res["first_prompt"] == 3
+
+
 def test_export_writes_the_qat_slot_as_a_marked_copy(trained):
     from attnqat.wan import load_models
 
@@ -211,6 +260,12 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert tt.main(["--stages", "vae,fly", "--out", str(tmp_path / "o")]) == 2
     assert tt.main(["--stages", "export", "--out", str(tmp_path / "o")]) == 2
     assert "needs --resume" in capsys.readouterr().err
+    assert tt.main(["--stages", "t2v", "--out", str(tmp_path / "o"), "--grow-layers", "8"]) == 2
+    assert "--grow-layers needs --resume" in capsys.readouterr().err
+    assert tt.main(["--stages", "t2v", "--out", str(tmp_path / "o"), "--two-objects", "1.5"]) == 2
+    assert "--two-objects" in capsys.readouterr().err
+    assert tt.main(["--stages", "eval", "--out", str(tmp_path / "o"), "--eval-offset", "-1"]) == 2
+    assert "--eval-offset" in capsys.readouterr().err
     with pytest.raises(ValueError, match="budget"):
         tt.Budget(0, 0.0, tt.Clock())
 
