@@ -129,7 +129,7 @@ class TinyWanConfig:
     # transformer
     num_attention_heads: int = 4
     attention_head_dim: int = 64
-    num_layers: int = 4
+    num_layers: int = 8
     ffn_dim: int = 1024
     freq_dim: int = 64
     # text encoder (its d_model is the transformer's text_dim)

@@ -283,8 +283,8 @@ def test_shipped_model_draws_a_heldout_prompt():
     """Held-out prompt 6 with seed 6 (its colour x shape x motion triple was never shown in
     training), default settings (128 x 128, 33 frames, 20 steps, guidance 5), BF16 on the CPU.
     Measured (docs/tiny_model.md): colour, shape, motion and background all right, prompt score
-    1.0 (the previous weights: 0.75, motion wrong); a random initialization of the same
-    architecture scores 0.25 (background wrong)."""
+    1.0 (with the weights after run 8 and after run 12); a random initialization of the same
+    architecture finds no object and the wrong background (score 0)."""
     from attnqat.eval.procedural import score_clip
     from attnqat.finetune.synthetic import heldout_prompts
     from attnqat.generate import generate
