@@ -29,7 +29,8 @@ Stages (``--stages``, run in this order; any subset):
     (:func:`grow_transformer`); ``--compile`` runs the transformer through ``torch.compile``.
 ``eval``
     Generate one clip per held-out prompt (:func:`attnqat.finetune.synthetic.heldout_prompts`,
-    prompt ``i`` with seed ``i``; ``--eval-offset K`` starts at prompt ``K``) for each method through the project's generation code
+    prompt ``i`` with seed ``i``; ``--eval-offset K`` starts at prompt ``K``) for each method
+    through the project's generation code
     (:func:`attnqat.wan.load_models`, :func:`attnqat.generate.encode_prompts`,
     :func:`~attnqat.generate.initial_latents`, :func:`~attnqat.generate.denoise`,
     :func:`~attnqat.generate.decode`; prompts are denoised in batches), score them with
@@ -866,8 +867,8 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
     methods = [m.strip() for m in args.eval_methods.split(",") if m.strip()]
 
     def settings_for(guidance: float | None) -> list:
-        return [resolve_settings(p, methods="bf16", seed=first + i, steps=args.eval_steps, guidance=guidance,
-                                 height=args.eval_size, width=args.eval_size,
+        return [resolve_settings(p, methods="bf16", seed=first + i, steps=args.eval_steps,
+                                 guidance=guidance, height=args.eval_size, width=args.eval_size,
                                  frames=args.eval_frames, device=str(dev), model=str(model_dir),
                                  backend=args.eval_backend, info=models.info)[0]
                 for i, p in enumerate(prompts)]
