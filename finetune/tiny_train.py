@@ -35,7 +35,9 @@ Stages (``--stages``, run in this order; any subset):
     :func:`~attnqat.generate.initial_latents`, :func:`~attnqat.generate.denoise`,
     :func:`~attnqat.generate.decode`; prompts are denoised in batches), score them with
     :func:`attnqat.eval.procedural.score_clip`, and report colour, shape and motion accuracy per
-    method plus PSNR/SSIM of the 4-bit methods against BF16. Writes a JSON file and prints a table.
+    method plus PSNR/SSIM of the 4-bit methods against BF16, and whether the text encoder's states
+    tell two-object captions with swapped motions apart (:func:`binding_signal`). Writes a JSON
+    file and prints a table.
 ``export``
     Write ``--out`` (and ``--qat-out``) from ``--resume`` without training.
 
@@ -396,6 +398,37 @@ def encode_text(text_encoder, ids: torch.Tensor, mask: torch.Tensor,
     h = text_encoder(ids, attention_mask=mask).last_hidden_state
     h = h * mask.unsqueeze(-1).to(h.dtype)
     return F.pad(h, (0, 0, 0, seq_len - h.shape[1]))
+
+
+@torch.no_grad()
+def binding_signal(text_encoder, tokenizer, specs: list[ClipSpec], length: int = 32) -> float | None:
+    """How far apart the prompt embeddings of a two-object caption and of the same caption with
+    the two motions exchanged are, as the transformer sees them.
+
+    Wan's cross-attention has no positions on the text side: it sees the encoder's token states
+    as a set. If the two sets are equal, the transformer cannot tell which object moves how. Per
+    caption: for each token state of the caption, the distance to the nearest state of the
+    swapped caption relative to its norm; the largest over the tokens; averaged over the
+    two-object ``specs`` (``None`` if there are none). 0 means order-blind (a bag of words)."""
+    pairs = []
+    for spec in specs:
+        if len(spec.objects) == 2:
+            a, b = spec.objects
+            swapped = ClipSpec((replace(a, motion=b.motion), replace(b, motion=a.motion)),
+                               spec.background)
+            pairs.append((spec.caption, swapped.caption))
+    if not pairs:
+        return None
+    dev = next(text_encoder.parameters()).device
+    ids, mask = tokenize(tokenizer, [c for pair in pairs for c in pair], length)
+    h = text_encoder(ids.to(dev), attention_mask=mask.to(dev)).last_hidden_state.float()
+    n = mask.sum(1)
+    gaps = []
+    for k in range(len(pairs)):
+        x, y = h[2 * k, :n[2 * k]], h[2 * k + 1, :n[2 * k + 1]]
+        near = torch.cdist(x, y).min(dim=1).values / x.norm(dim=1).clamp_min(1e-12)
+        gaps.append(float(near.max()))
+    return float(np.mean(gaps))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -884,6 +917,8 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
     pe, ne = embeds(settings)
     lat0 = torch.cat([initial_latents(models, s) for s in settings])
     s0 = settings[0]
+    text_binding = binding_signal(models.pipe.text_encoder, models.pipe.tokenizer, specs,
+                                  args.text_len)
     result = {"model": str(model_dir), "date": _now(), "device": _device_name(dev),
               "prompts": len(prompts), "first_prompt": first,
               "seeds": f"{first}..{first + len(prompts) - 1} (seed i for held-out prompt i)",
@@ -891,7 +926,8 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
                            "height": s0.height, "width": s0.width, "frames": s0.frames,
                            "negative_prompt": s0.negative_prompt, "backend": args.eval_backend,
                            "fp4_scope": "self", "batch": args.eval_batch},
-              "weights_note": models.info.weights_note, "methods": {}, "clips": []}
+              "weights_note": models.info.weights_note, "text_binding": text_binding,
+              "methods": {}, "clips": []}
     clips: dict[str, list[np.ndarray]] = {}
     scores: dict[str, list[dict]] = {}
     n_objects = [len(s.objects) for s in specs]
@@ -963,6 +999,9 @@ def format_table(result: dict) -> str:
                          + f"   ({sub['clips']} prompts)")
     for g, row in result.get("guidance_sweep_bf16", {}).items():
         lines.append(f"{'bf16 g' + g:<10}" + "".join(f"{100 * row[c]:>11.1f}%" for c in cols))
+    if result.get("text_binding") is not None:
+        lines.append(f"text binding signal {result['text_binding']:.2e} (prompt states with the two "
+                     "motions swapped vs not; 0: the text encoder is order-blind)")
     return "\n".join(lines)
 
 

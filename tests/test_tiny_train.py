@@ -212,6 +212,20 @@ def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained):
     assert [c["seed"] for c in res["clips"]] == [3, 4] and res["first_prompt"] == 3
 
 
+def test_binding_signal_tells_an_order_blind_text_encoder():
+    from attnqat.finetune.synthetic import parse_caption
+
+    pipe = small_pipe()
+    two = [s for s in heldout_specs(40) if len(s.objects) == 2]
+    assert len(two) >= 5
+    # a fresh encoder's states depend on the word order: swapping the motions moves them
+    assert tt.binding_signal(pipe.text_encoder, pipe.tokenizer, two, 24) > 1e-3
+    same = parse_caption("a red circle moves up and a blue square moves up on a black background")
+    assert tt.binding_signal(pipe.text_encoder, pipe.tokenizer, [same], 24) == 0.0
+    one = [s for s in heldout_specs(40) if len(s.objects) == 1]
+    assert tt.binding_signal(pipe.text_encoder, pipe.tokenizer, one, 24) is None
+
+
 def test_export_writes_the_qat_slot_as_a_marked_copy(trained):
     from attnqat.wan import load_models
 
@@ -247,6 +261,9 @@ def test_eval_stage_scores_every_method_through_the_generation_code(trained, cap
         assert sum(sub["clips"] for sub in row["by_objects"].values()) == 2
         assert set(row["by_objects"]) <= {"1", "2"}
     assert [c["prompt"] for c in res["clips"]] == heldout_prompts(2)
+    small = load_models(out, device="cpu").pipe
+    assert res["text_binding"] == pytest.approx(
+        tt.binding_signal(small.text_encoder, small.tokenizer, heldout_specs(2), 24))
     assert "sage3" in capsys.readouterr().out
     # the batched evaluation gives the clip `attnqat generate` gives for that prompt and seed
     samples = np.load(root / "eval-samples.npz")
