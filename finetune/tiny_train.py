@@ -77,8 +77,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from attnqat import tiny
-from attnqat.finetune.synthetic import (BACKGROUND_COLOURS, MAX_OBJECTS, MOTIONS, OBJECT_COLOURS,
-                                        SHAPES, ClipSpec, spec_at)
+from attnqat.finetune.synthetic import (BACKGROUND_COLOURS, COLOURS, MAX_OBJECTS, MOTIONS,
+                                        OBJECT_COLOURS, SHAPES, ClipSpec, spec_at)
 
 STAGES = ("vae", "t2v", "eval", "export")
 TEXT_SEQ_LEN = 512        # Wan pads the prompt embeddings to 512 tokens (attnqat.generate); a
@@ -183,6 +183,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "its depth) before training, inserting after an existing block a copy of "
                         "it whose output projections are zero, so the model starts from the same "
                         "function (0: keep the depth)")
+    g.add_argument("--text-aux", type=float, default=0.0, metavar="W",
+                   help="weight of the text-binding loss (TextBindingHead: the states of each "
+                        "object's colour and shape words must predict its other attributes; "
+                        "the head is not saved; 0: off)")
+    g.add_argument("--text-attn-scale", type=float, default=1.0, metavar="F",
+                   help="multiply the text encoder's self-attention logits by F before training "
+                        "(F < 1 un-saturates an encoder whose attention went one-hot; 1: keep)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the transformer for training (faster steps after a "
                         "compilation of about a minute; numerics as eager up to rounding)")
@@ -656,10 +663,72 @@ def latent_stats(pipe, args, state: dict, dev: torch.device) -> None:
 # Stage 2: text encoder + transformer
 
 
+class TextBindingHead(torch.nn.Module):
+    """An auxiliary loss that makes the text encoder's token states carry the binding of a caption.
+
+    For every object of a caption, read from its words: the state of its shape word must predict
+    the object's colour and motion, and the state of its colour word its shape and motion (one
+    linear layer, cross-entropy). A bag-of-words encoder cannot do this for two-object captions
+    (:func:`binding_signal`), so the loss pushes the encoder to attend along the word order. The
+    head is used in training only and never saved; the labels come from the token ids (the
+    caption grammar of :mod:`attnqat.finetune.synthetic`), so no extra data is needed."""
+
+    def __init__(self, tokenizer, width: int) -> None:
+        super().__init__()
+        vocab = max(tokenizer.get_vocab().values()) + 1
+        self.register_buffer("colour_of", torch.full((vocab,), -1, dtype=torch.long), persistent=False)
+        self.register_buffer("shape_of", torch.full((vocab,), -1, dtype=torch.long), persistent=False)
+        self.register_buffer("motion_of", torch.full((vocab,), -1, dtype=torch.long), persistent=False)
+        words = {"colour_of": COLOURS, "shape_of": SHAPES,
+                 "motion_of": ("left", "right", "up", "down", "grows", "shrinks")}
+        for table, names in words.items():
+            for k, w in enumerate(names):
+                getattr(self, table)[tokenizer.convert_tokens_to_ids(w)] = k
+        self.moves = tokenizer.convert_tokens_to_ids("moves")
+        self.proj = torch.nn.Linear(width, len(COLOURS) + len(SHAPES) + len(MOTIONS))
+
+    def forward(self, states: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, accuracy) over the attribute predictions of the batch's objects (fixed shapes,
+        no host synchronization: every position is scored, the non-shape ones masked out)."""
+        nxt = F.pad(ids[:, 1:], (0, 1))
+        nxt2 = F.pad(ids[:, 2:], (0, 2))
+        # per shape word at p: its colour (p - 1), shape (p) and motion (p + 1, or p + 2 after "moves")
+        shape = self.shape_of[ids[:, 1:]]
+        colour = self.colour_of[ids[:, :-1]]
+        motion = self.motion_of[torch.where(nxt == self.moves, nxt2, nxt)[:, 1:]]
+        valid = (shape >= 0) & (colour >= 0) & (motion >= 0)
+        logits = self.proj(states.float())
+        at_shape, at_colour = logits[:, 1:], logits[:, :-1]
+        nc, ns = len(COLOURS), len(SHAPES)
+        preds = [(at_shape[..., :nc], colour), (at_shape[..., nc + ns:], motion),
+                 (at_colour[..., nc:nc + ns], shape), (at_colour[..., nc + ns:], motion)]
+        w = valid.float()
+        n = w.sum().clamp_min(1.0)
+        loss = sum((F.cross_entropy(lg.transpose(1, 2), y.clamp_min(0), reduction="none") * w).sum()
+                   for lg, y in preds) / (len(preds) * n)
+        with torch.no_grad():
+            acc = sum(((lg.argmax(-1) == y).float() * w).sum() for lg, y in preds) / (len(preds) * n)
+        return loss, acc
+
+
+def scale_text_attention(text_encoder, factor: float) -> None:
+    """Multiply every self-attention logit of a T5-style encoder by ``factor`` (its query and key
+    weights by the square root): a way out of saturated, one-hot attention, whose gradients
+    vanish. Changes the encoder's function; the training that follows has to adapt to it."""
+    root = math.sqrt(factor)
+    with torch.no_grad():
+        for block in text_encoder.encoder.block:
+            att = block.layer[0].SelfAttention
+            att.q.weight.mul_(root)
+            att.k.weight.mul_(root)
+
+
 def flow_loss(transformer, text_encoder, z0: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
               generator: torch.Generator | None, shift: float,
-              seq_len: int = TEXT_SEQ_LEN) -> torch.Tensor:
-    """Rectified-flow matching loss of one batch of normalized latents ``z0``."""
+              seq_len: int = TEXT_SEQ_LEN, text_aux: TextBindingHead | None = None,
+              aux_weight: float = 0.0, aux_out: dict | None = None) -> torch.Tensor:
+    """Rectified-flow matching loss of one batch of normalized latents ``z0``; with ``text_aux``,
+    plus ``aux_weight`` times its binding loss (the parts go to ``aux_out``)."""
     b = z0.shape[0]
     u = torch.rand(b, generator=generator, device=z0.device)
     sigma = shift * u / (1.0 + (shift - 1.0) * u)
@@ -669,7 +738,13 @@ def flow_loss(transformer, text_encoder, z0: torch.Tensor, ids: torch.Tensor, ma
     emb = encode_text(text_encoder, ids, mask, seq_len)
     pred = transformer(hidden_states=xt, timestep=sigma * 1000.0, encoder_hidden_states=emb,
                        return_dict=False)[0]
-    return F.mse_loss(pred.float(), noise - z0)
+    loss = F.mse_loss(pred.float(), noise - z0)
+    if text_aux is None:
+        return loss
+    aux, acc = text_aux(emb[:, :ids.shape[1]], ids)
+    if aux_out is not None:
+        aux_out.update(flow=loss.detach(), aux=aux.detach(), acc=acc.detach())
+    return loss + aux_weight * aux
 
 
 def _latent_norm(vae, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -706,8 +781,13 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
     tr = pipe.transformer.to(dev).train().requires_grad_(True)
     mean, std = _latent_norm(vae, dev)
     st = state.setdefault("t2v", {"steps": 0, "samples": 0, "clips": 0, "seconds": 0.0})
+    if args.text_attn_scale != 1.0:
+        scale_text_attention(te, args.text_attn_scale)
+        log(f"t2v: text encoder attention logits scaled by {args.text_attn_scale}")
+    head = TextBindingHead(pipe.tokenizer, te.config.d_model).to(dev) if args.text_aux > 0 else None
     ema = EMA([te, tr], args.ema) if args.ema > 0 else None
-    opt = torch.optim.AdamW(_param_groups([te, tr], args.weight_decay), lr=args.lr,
+    trained = [te, tr] + ([head] if head is not None else [])
+    opt = torch.optim.AdamW(_param_groups(trained, args.weight_decay), lr=args.lr,
                             betas=(0.9, 0.99), eps=1e-8)
     gen = torch.Generator(dev).manual_seed(args.seed * 7 + 2 + 1000 * len(state.get("runs", [])))
     empty_ids, empty_mask = tokenize(pipe.tokenizer, [""], args.text_len)
@@ -758,8 +838,9 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
     budget = Budget(args.t2v_steps, args.t2v_minutes, clock)
     log(f"t2v: batch {args.batch_size}, {fresh} fresh clips every {args.fresh_every} steps, budget "
         f"{args.t2v_steps or '-'} steps / {budget.seconds / 60:.1f} min")
-    params_all = [p for m in (te, tr) for p in m.parameters()]
+    params_all = [p for m in trained for p in m.parameters()]
     step, t_data, loss_sum, loss_n = 0, 0.0, 0.0, 0
+    aux_out: dict = {}
     t_last = t_saved = time.perf_counter()
     loss = torch.zeros(())
     while not budget.done(step):
@@ -778,7 +859,8 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
                                           args.decay_frac, args.final_lr_frac)
         try:
             with _autocast(dev):
-                loss = flow_loss(tr, te, z0, ids, msk, gen, args.shift, args.seq_len)
+                loss = flow_loss(tr, te, z0, ids, msk, gen, args.shift, args.seq_len, head,
+                                 args.text_aux, aux_out)
             opt.zero_grad(set_to_none=True)
             loss.backward()
         except Exception as e:   # only the compilation may fail, at the first step
@@ -799,7 +881,9 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
             dt = time.perf_counter() - t_last
             log(f"t2v step {st['steps'] + step:6d}  loss {float(loss_sum) / loss_n:.4f}  gnorm "
                 f"{float(gnorm):.2f}  lr {opt.param_groups[0]['lr']:.2e}  "
-                f"{loss_n / dt:.1f} it/s  data {100 * t_data / dt:.0f}%  t {clock.elapsed():.0f}s")
+                f"{loss_n / dt:.1f} it/s  data {100 * t_data / dt:.0f}%  t {clock.elapsed():.0f}s"
+                + (f"  (last step: flow {float(aux_out['flow']):.4f}, binding loss "
+                   f"{float(aux_out['aux']):.3f}, accuracy {float(aux_out['acc']):.2f})" if aux_out else ""))
             t_last, t_data, loss_sum, loss_n = time.perf_counter(), 0.0, 0.0, 0
         if args.save_every_minutes > 0 and time.perf_counter() - t_saved > 60 * args.save_every_minutes:
             _t2v_account(st, record, step, args, clips_used, budget, loss.item())
@@ -828,7 +912,8 @@ def _t2v_account(st: dict, record: dict, step: int, args, clips: int, budget: Bu
                   shift=args.shift, caption_dropout=args.caption_dropout, pool=args.pool,
                   fresh=args.fresh, fresh_every=args.fresh_every, text_len=args.text_len,
                   seq_len=args.seq_len, two_objects=args.two_objects,
-                  grow_layers=args.grow_layers or None, compile=args.compile)
+                  grow_layers=args.grow_layers or None, compile=args.compile,
+                  text_aux=args.text_aux, text_attn_scale=args.text_attn_scale)
 
 
 def _t2v_unaccount(st: dict, step: int, args, clips: int, budget: Budget) -> None:

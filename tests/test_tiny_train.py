@@ -188,14 +188,16 @@ def test_grow_transformer_keeps_the_function_and_deepens_the_stack():
         tt.grow_transformer(tr, 11)
 
 
-def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained):
-    """--grow-layers, --two-objects and --compile on a resumed run, then --eval-offset."""
+def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained, capsys):
+    """--grow-layers, --two-objects, --compile and the text-binding loss on a resumed run, then
+    --eval-offset."""
     from attnqat.finetune.synthetic import heldout_prompts
 
     root, out = trained
     grown = root / "grown"
     rc = tt.main(["--stages", "t2v,eval", "--resume", str(out), "--out", str(grown),
                   "--t2v-steps", "2", "--grow-layers", "2", "--two-objects", "0.8", "--compile",
+                  "--text-aux", "0.5", "--text-attn-scale", "0.1",
                   "--eval-methods", "bf16", "--eval-prompts", "2", "--eval-offset", "3",
                   "--eval-batch", "2", "--eval-json", str(root / "grown.json"), *SMALL_RUN])
     assert rc == 0
@@ -205,8 +207,10 @@ def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained):
     run = side["training"]["runs"][-1]["t2v"]
     assert run["grow_layers"] == 2 and run["two_objects"] == 0.8 and run["steps"] == 2
     assert run["compile"] is True   # (a failed compilation would say so and record False)
+    assert run["text_aux"] == 0.5 and run["text_attn_scale"] == 0.1
     keys = load_file(str(grown / "transformer" / "diffusion_pytorch_model.safetensors")).keys()
     assert any(k.startswith("blocks.1.") for k in keys) and not any("_orig_mod" in k for k in keys)
+    assert "binding loss" in capsys.readouterr().out
     res = json.loads((root / "grown.json").read_text())
     assert [c["prompt"] for c in res["clips"]] == heldout_prompts(5)[3:]
     assert [c["seed"] for c in res["clips"]] == [3, 4] and res["first_prompt"] == 3
@@ -224,6 +228,50 @@ def test_binding_signal_tells_an_order_blind_text_encoder():
     assert tt.binding_signal(pipe.text_encoder, pipe.tokenizer, [same], 24) == 0.0
     one = [s for s in heldout_specs(40) if len(s.objects) == 1]
     assert tt.binding_signal(pipe.text_encoder, pipe.tokenizer, one, 24) is None
+
+
+def test_text_binding_head_reads_its_labels_from_the_caption_and_trains_binding():
+    import math
+
+    pipe = small_pipe()
+    tok, te = pipe.tokenizer, pipe.text_encoder.train()
+    width = te.config.d_model
+    head = tt.TextBindingHead(tok, width)
+    torch.nn.init.zeros_(head.proj.weight)
+    torch.nn.init.zeros_(head.proj.bias)
+    ids, _ = tt.tokenize(tok, ["a red circle moves up and a blue square grows on a gray background",
+                               ""], 24)
+    loss, _ = head(torch.zeros(2, 24, width), ids)
+    uniform = (math.log(8) + math.log(6) + math.log(3) + math.log(6)) / 4   # colour, motion, shape, motion
+    assert float(loss.detach()) == pytest.approx(uniform, rel=1e-5)
+    # the labels: circle (position 2) is red and moves up, square (8) is blue and grows
+    bias = torch.zeros_like(head.proj.bias)
+    bias[[0, 8 + 0, 8 + 3 + 2]] = 50.0   # red, circle, up
+    head.proj.bias.data.copy_(bias)
+    _, acc = head(torch.zeros(1, 24, width), ids[:1])
+    assert float(acc) == pytest.approx(0.5)   # every prediction of the first object, none of the second
+    # a few steps on training captions teach a fresh encoder part of the binding
+    head = tt.TextBindingHead(tok, width)
+    opt = torch.optim.AdamW([*te.parameters(), *head.parameters()], lr=3e-3)
+    caps = [spec_at(5, k).caption for k in range(60 * 16)]
+    losses = []
+    for step in range(60):
+        i, m = tt.tokenize(tok, caps[16 * step:16 * step + 16], 24)
+        loss, _ = head(te(i, attention_mask=m).last_hidden_state, i)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:5])
+
+
+def test_scale_text_attention_scales_the_logits():
+    te = small_pipe().text_encoder
+    att = te.encoder.block[0].layer[0].SelfAttention
+    x = torch.randn(3, att.q.in_features)
+    before = att.q(x) @ att.k(x).T
+    tt.scale_text_attention(te, 0.01)
+    assert torch.allclose(att.q(x) @ att.k(x).T, 0.01 * before, rtol=1e-4, atol=1e-6)
 
 
 def test_export_writes_the_qat_slot_as_a_marked_copy(trained):
