@@ -1122,6 +1122,10 @@ def run(args: argparse.Namespace) -> int:
         print("attnqat finetune tiny: --eval-offset must be >= 0 and --eval-prompts >= 1",
               file=sys.stderr)
         return 2
+    if not (args.text_aux >= 0.0 and args.text_attn_scale > 0.0):
+        print("attnqat finetune tiny: --text-aux must be >= 0 and --text-attn-scale > 0",
+              file=sys.stderr)
+        return 2
     if args.two_objects is not None and not 0.0 <= args.two_objects <= 1.0:
         print(f"attnqat finetune tiny: --two-objects must be in [0, 1], got {args.two_objects}",
               file=sys.stderr)

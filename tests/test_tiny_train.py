@@ -331,6 +331,8 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert "--two-objects" in capsys.readouterr().err
     assert tt.main(["--stages", "eval", "--out", str(tmp_path / "o"), "--eval-offset", "-1"]) == 2
     assert "--eval-offset" in capsys.readouterr().err
+    assert tt.main(["--stages", "t2v", "--out", str(tmp_path / "o"), "--text-attn-scale", "0"]) == 2
+    assert "--text-attn-scale" in capsys.readouterr().err
     with pytest.raises(ValueError, match="budget"):
         tt.Budget(0, 0.0, tt.Clock())
 
