@@ -261,7 +261,7 @@ def test_text_binding_head_reads_its_labels_from_the_caption_and_trains_binding(
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:5])
 
 
