@@ -68,9 +68,10 @@ COLOURS: tuple[str, ...] = tuple(OBJECT_COLOURS)
 BACKGROUNDS: tuple[str, ...] = tuple(BACKGROUND_COLOURS)
 MAX_OBJECTS = 3
 
-_MOTION_PHRASE = {"left": "moves left", "right": "moves right", "up": "moves up",
-                  "down": "moves down", "grow": "grows", "shrink": "shrinks"}
-_PHRASE_MOTION = {v: k for k, v in _MOTION_PHRASE.items()}
+#: How a caption says each motion.
+MOTION_PHRASE = {"left": "moves left", "right": "moves right", "up": "moves up",
+                 "down": "moves down", "grow": "grows", "shrink": "shrinks"}
+_PHRASE_MOTION = {v: k for k, v in MOTION_PHRASE.items()}
 _ALIASES = {"grey": "gray", "colour": "color"}
 
 # Geometry ranges, as fractions of the shorter frame side.
@@ -125,7 +126,7 @@ class ObjectSpec:
 
     def phrase(self) -> str:
         article = "an" if self.colour[0] in "aeiou" else "a"
-        return f"{article} {self.colour} {self.shape} {_MOTION_PHRASE[self.motion]}"
+        return f"{article} {self.colour} {self.shape} {MOTION_PHRASE[self.motion]}"
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,7 @@ class ClipSpec:
 _CAPTION_HELP = (
     "expected '<object> [and <object>] on a <background> background', where <object> is "
     "'a <colour> <shape> <motion>'; colour: " + "|".join(COLOURS) + "; shape: " + "|".join(SHAPES)
-    + "; motion: " + "|".join(_MOTION_PHRASE.values()) + "; background: " + "|".join(BACKGROUNDS)
+    + "; motion: " + "|".join(MOTION_PHRASE.values()) + "; background: " + "|".join(BACKGROUNDS)
 )
 
 
@@ -205,7 +206,7 @@ def parse_caption(caption: str) -> ClipSpec:
         if motion is None:
             raise ValueError(f"cannot parse caption {caption!r}: unknown motion "
                              f"{cm.group('motion')!r}; expected one of "
-                             f"{', '.join(_MOTION_PHRASE.values())}")
+                             f"{', '.join(MOTION_PHRASE.values())}")
         objects.append(ObjectSpec(colour, shape, motion))
     if len(objects) > MAX_OBJECTS:
         raise ValueError(f"cannot parse caption {caption!r}: at most {MAX_OBJECTS} objects")

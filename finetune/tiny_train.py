@@ -77,8 +77,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from attnqat import tiny
-from attnqat.finetune.synthetic import (BACKGROUND_COLOURS, COLOURS, MAX_OBJECTS, MOTIONS,
-                                        OBJECT_COLOURS, SHAPES, ClipSpec, spec_at)
+from attnqat.finetune.synthetic import (BACKGROUND_COLOURS, COLOURS, MAX_OBJECTS, MOTION_PHRASE,
+                                        MOTIONS, OBJECT_COLOURS, SHAPES, ClipSpec, spec_at)
 
 STAGES = ("vae", "t2v", "eval", "export")
 TEXT_SEQ_LEN = 512        # Wan pads the prompt embeddings to 512 tokens (attnqat.generate); a
@@ -631,6 +631,15 @@ def train_vae(pipe, args, state: dict, dev: torch.device, clock: Clock, record: 
 
 
 @torch.no_grad()
+def posterior_means(vae, params: torch.Tensor, frames: int, size: int,
+                    dev: torch.device) -> torch.Tensor:
+    """Render a batch of clip specifications on ``dev`` and encode them (posterior means)."""
+    x = to_model_input(render_batch(params.to(dev), frames, size)[0])
+    with _autocast(dev):
+        return vae.encode(x).latent_dist.mode()
+
+
+@torch.no_grad()
 def latent_stats(pipe, args, state: dict, dev: torch.device) -> None:
     """Per-channel mean and std of the posterior means over ``--stats-clips`` clips, written into
     the VAE config (``latents_mean`` / ``latents_std``)."""
@@ -640,15 +649,13 @@ def latent_stats(pipe, args, state: dict, dev: torch.device) -> None:
     total, total_sq, count, clips = None, None, 0, 0
     while clips < args.stats_clips:
         params, _ = next(batches)
-        x = to_model_input(render_batch(params.to(dev), args.frames, args.size)[0])
-        with _autocast(dev):
-            mu = vae.encode(x).latent_dist.mode().double()
+        mu = posterior_means(vae, params, args.frames, args.size, dev).double()
         s = mu.sum(dim=(0, 2, 3, 4))
         sq = mu.square().sum(dim=(0, 2, 3, 4))
         total = s if total is None else total + s
         total_sq = sq if total_sq is None else total_sq + sq
         count += mu.numel() // mu.shape[1]
-        clips += x.shape[0]
+        clips += mu.shape[0]
     batches.close()
     mean = total / count
     std = (total_sq / count - mean.square()).clamp_min(1e-12).sqrt()
@@ -679,12 +686,14 @@ class TextBindingHead(torch.nn.Module):
         self.register_buffer("colour_of", torch.full((vocab,), -1, dtype=torch.long), persistent=False)
         self.register_buffer("shape_of", torch.full((vocab,), -1, dtype=torch.long), persistent=False)
         self.register_buffer("motion_of", torch.full((vocab,), -1, dtype=torch.long), persistent=False)
-        words = {"colour_of": COLOURS, "shape_of": SHAPES,
-                 "motion_of": ("left", "right", "up", "down", "grows", "shrinks")}
+        # a motion is named by the last word of its phrase ("moves left" -> left, "grows")
+        phrases = [MOTION_PHRASE[m].split() for m in MOTIONS]
+        words = {"colour_of": COLOURS, "shape_of": SHAPES, "motion_of": [w[-1] for w in phrases]}
         for table, names in words.items():
             for k, w in enumerate(names):
                 getattr(self, table)[tokenizer.convert_tokens_to_ids(w)] = k
-        self.moves = tokenizer.convert_tokens_to_ids("moves")
+        (moves,) = {w[0] for w in phrases if len(w) == 2}   # the verb of two-word phrases
+        self.moves = tokenizer.convert_tokens_to_ids(moves)
         self.proj = torch.nn.Linear(width, len(COLOURS) + len(SHAPES) + len(MOTIONS))
 
     def forward(self, states: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -758,10 +767,7 @@ def _latent_norm(vae, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 def encode_clips(vae, params: torch.Tensor, frames: int, size: int, mean: torch.Tensor,
                  std: torch.Tensor, dev: torch.device) -> torch.Tensor:
     """Render, encode (posterior mean) and normalize a batch of clip specifications."""
-    x = to_model_input(render_batch(params.to(dev), frames, size)[0])
-    with _autocast(dev):
-        mu = vae.encode(x).latent_dist.mode()
-    return (mu.float() - mean) / std
+    return (posterior_means(vae, params, frames, size, dev).float() - mean) / std
 
 
 def _param_groups(modules: list[torch.nn.Module], weight_decay: float) -> list[dict]:
@@ -886,9 +892,11 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
                    f"{float(aux_out['aux']):.3f}, accuracy {float(aux_out['acc']):.2f})" if aux_out else ""))
             t_last, t_data, loss_sum, loss_n = time.perf_counter(), 0.0, 0.0, 0
         if args.save_every_minutes > 0 and time.perf_counter() - t_saved > 60 * args.save_every_minutes:
+            before = dict(st)   # the save carries this run so far; training goes on from before
             _t2v_account(st, record, step, args, clips_used, budget, loss.item())
             save(ema.copies if ema is not None else [te, tr])
-            _t2v_unaccount(st, step, args, clips_used, budget)
+            st.clear()
+            st.update(before)
             t_saved = time.perf_counter()
     if batches is not None:
         batches.close()
@@ -914,13 +922,6 @@ def _t2v_account(st: dict, record: dict, step: int, args, clips: int, budget: Bu
                   seq_len=args.seq_len, two_objects=args.two_objects,
                   grow_layers=args.grow_layers or None, compile=args.compile,
                   text_aux=args.text_aux, text_attn_scale=args.text_attn_scale)
-
-
-def _t2v_unaccount(st: dict, step: int, args, clips: int, budget: Budget) -> None:
-    st["steps"] -= step
-    st["samples"] -= step * args.batch_size
-    st["clips"] -= clips
-    st["seconds"] -= time.perf_counter() - budget.t0
 
 
 # ----------------------------------------------------------------------------------------------
