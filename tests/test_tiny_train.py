@@ -99,18 +99,72 @@ def test_vae_loss_falls_on_a_fixed_batch():
     assert last < 0.6 * first
 
 
-def test_flow_loss_falls_on_a_fixed_batch():
+def flow_batch(n: int):
+    """A small text encoder and transformer, ``n`` random latents (16, 2, 4, 4) and captions."""
     torch.manual_seed(0)
     pipe = small_pipe()
-    te, tr = pipe.text_encoder.train(), pipe.transformer.train()
-    z0 = torch.randn(4, 16, 2, 4, 4)
-    ids, mask = tt.tokenize(pipe.tokenizer, [spec_at(0, k).caption for k in range(4)], 24)
+    z0 = torch.randn(n, 16, 2, 4, 4)
+    ids, mask = tt.tokenize(pipe.tokenizer, [spec_at(0, k).caption for k in range(n)], 24)
+    return pipe.text_encoder, pipe.transformer, z0, ids, mask
+
+
+def test_flow_loss_falls_on_a_fixed_batch():
+    te, tr, z0, ids, mask = flow_batch(4)
+    te, tr = te.train(), tr.train()
 
     def loss_fn():
         return tt.flow_loss(tr, te, z0, ids, mask, torch.Generator().manual_seed(1), 3.0)
 
     first, last = _fit([*te.parameters(), *tr.parameters()], loss_fn, 40, 2e-3)
     assert last < 0.7 * first
+
+
+def test_latent_object_mask_pools_pixels_the_way_the_vae_compresses():
+    # 9 frames -> 3 latent frames (frame 0 alone, then 1-4 and 5-8); 32 x 32 -> 4 x 4 cells
+    rng = np.random.default_rng(0)
+    fg = torch.from_numpy(rng.random((2, 9, 32, 32)) > 0.995)
+    m = tt.latent_object_mask(fg, (2, 16, 3, 4, 4))
+    assert m.shape == (2, 1, 3, 4, 4) and m.dtype == torch.bool
+    groups = [[0], [1, 2, 3, 4], [5, 6, 7, 8]]
+    for b in range(2):
+        for t, frames in enumerate(groups):
+            for i in range(4):
+                for j in range(4):
+                    want = bool(fg[b, frames, 8 * i:8 * i + 8, 8 * j:8 * j + 8].any())
+                    assert bool(m[b, 0, t, i, j]) == want
+    # the masks of real clips cover the objects and little else
+    pix = tt.render_batch(params_of([spec_at(0, k) for k in range(4)]), 9, 64)[1]
+    cells = tt.latent_object_mask(pix, (4, 16, 3, 8, 8))
+    assert 0.0 < cells.float().mean() < 0.5
+
+
+def test_flow_loss_weight_of_ones_is_the_plain_loss_and_a_mask_selects_cells():
+    te, tr, z0, ids, mask = flow_batch(2)
+    te, tr = te.eval(), tr.eval()
+
+    def loss(weight=None):
+        with torch.no_grad():
+            return tt.flow_loss(tr, te, z0, ids, mask, torch.Generator().manual_seed(1), 3.0,
+                                weight=weight)
+
+    plain = loss()
+    assert torch.allclose(loss(torch.ones(2, 1, 2, 4, 4)), plain, rtol=1e-6)
+    assert torch.allclose(loss(torch.full((2, 1, 2, 4, 4), 7.0)), plain, rtol=1e-6)
+    # a 0/1 weight is the mean squared error over the selected cells alone
+    sel = torch.zeros(2, 1, 2, 4, 4)
+    sel[0, 0, 1, :2, 1:3] = 1.0
+    g = torch.Generator().manual_seed(1)
+    u = torch.rand(2, generator=g)
+    sigma = (3.0 * u / (1.0 + 2.0 * u)).view(2, 1, 1, 1, 1)
+    noise = torch.randn(z0.shape, generator=g)
+    with torch.no_grad():
+        emb = tt.encode_text(te, ids, mask, tt.TEXT_SEQ_LEN)
+        pred = tr(hidden_states=(1 - sigma) * z0 + sigma * noise, timestep=sigma.flatten() * 1000.0,
+                  encoder_hidden_states=emb, return_dict=False)[0]
+    err = (pred - (noise - z0)).square()
+    want = err[0, :, 1, :2, 1:3].mean()
+    assert torch.allclose(loss(sel), want, rtol=1e-5)
+    assert not torch.allclose(loss(sel), plain, rtol=1e-3)
 
 
 @pytest.fixture(scope="module")
@@ -189,15 +243,15 @@ def test_grow_transformer_keeps_the_function_and_deepens_the_stack():
 
 
 def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained, capsys):
-    """--grow-layers, --two-objects, --compile and the text-binding loss on a resumed run, then
-    --eval-offset."""
+    """--grow-layers, --two-objects, --compile, the text-binding loss and --object-weight on a
+    resumed run, then --eval-offset."""
     from attnqat.finetune.synthetic import heldout_prompts
 
     root, out = trained
     grown = root / "grown"
     rc = tt.main(["--stages", "t2v,eval", "--resume", str(out), "--out", str(grown),
                   "--t2v-steps", "2", "--grow-layers", "2", "--two-objects", "0.8", "--compile",
-                  "--text-aux", "0.5", "--text-attn-scale", "0.1",
+                  "--text-aux", "0.5", "--text-attn-scale", "0.1", "--object-weight", "3",
                   "--eval-methods", "bf16", "--eval-prompts", "2", "--eval-offset", "3",
                   "--eval-batch", "2", "--eval-json", str(root / "grown.json"), *SMALL_RUN])
     assert rc == 0
@@ -207,7 +261,7 @@ def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained, capsy
     run = side["training"]["runs"][-1]["t2v"]
     assert run["grow_layers"] == 2 and run["two_objects"] == 0.8 and run["steps"] == 2
     assert run["compile"] is True   # (a failed compilation would say so and record False)
-    assert run["text_aux"] == 0.5 and run["text_attn_scale"] == 0.1
+    assert run["text_aux"] == 0.5 and run["text_attn_scale"] == 0.1 and run["object_weight"] == 3.0
     keys = load_file(str(grown / "transformer" / "diffusion_pytorch_model.safetensors")).keys()
     assert any(k.startswith("blocks.1.") for k in keys) and not any("_orig_mod" in k for k in keys)
     assert "binding loss" in capsys.readouterr().out
@@ -333,6 +387,8 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert "--eval-offset" in capsys.readouterr().err
     assert tt.main(["--stages", "t2v", "--out", str(tmp_path / "o"), "--text-attn-scale", "0"]) == 2
     assert "--text-attn-scale" in capsys.readouterr().err
+    assert tt.main(["--stages", "t2v", "--out", str(tmp_path / "o"), "--object-weight", "-1"]) == 2
+    assert "--object-weight" in capsys.readouterr().err
     with pytest.raises(ValueError, match="budget"):
         tt.Budget(0, 0.0, tt.Clock())
 
