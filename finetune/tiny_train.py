@@ -699,15 +699,14 @@ class TextBindingHead(torch.nn.Module):
     def __init__(self, tokenizer, width: int) -> None:
         super().__init__()
         vocab = max(tokenizer.get_vocab().values()) + 1
-        self.register_buffer("colour_of", torch.full((vocab,), -1, dtype=torch.long), persistent=False)
-        self.register_buffer("shape_of", torch.full((vocab,), -1, dtype=torch.long), persistent=False)
-        self.register_buffer("motion_of", torch.full((vocab,), -1, dtype=torch.long), persistent=False)
         # a motion is named by the last word of its phrase ("moves left" -> left, "grows")
         phrases = [MOTION_PHRASE[m].split() for m in MOTIONS]
         words = {"colour_of": COLOURS, "shape_of": SHAPES, "motion_of": [w[-1] for w in phrases]}
-        for table, names in words.items():
+        for table, names in words.items():   # token id -> attribute index, -1 for other words
+            lookup = torch.full((vocab,), -1, dtype=torch.long)
             for k, w in enumerate(names):
-                getattr(self, table)[tokenizer.convert_tokens_to_ids(w)] = k
+                lookup[tokenizer.convert_tokens_to_ids(w)] = k
+            self.register_buffer(table, lookup, persistent=False)
         (moves,) = {w[0] for w in phrases if len(w) == 2}   # the verb of two-word phrases
         self.moves = tokenizer.convert_tokens_to_ids(moves)
         self.proj = torch.nn.Linear(width, len(COLOURS) + len(SHAPES) + len(MOTIONS))
@@ -787,11 +786,12 @@ def _latent_norm(vae, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def encode_clips(vae, params: torch.Tensor, frames: int, size: int, mean: torch.Tensor,
-                 std: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Render, encode (posterior mean) and normalize a batch of clip specifications; with the
-    latent cells the objects touch (:func:`latent_object_mask`)."""
+                 std: torch.Tensor, dev: torch.device, object_mask: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Render, encode (posterior mean) and normalize a batch of clip specifications; with
+    ``object_mask``, also the latent cells the objects touch (:func:`latent_object_mask`)."""
     z, fg = posterior_means(vae, params, frames, size, dev)
-    return (z.float() - mean) / std, latent_object_mask(fg, z.shape)
+    return (z.float() - mean) / std, latent_object_mask(fg, z.shape) if object_mask else None
 
 
 def _param_groups(modules: list[torch.nn.Module], weight_decay: float) -> list[dict]:
@@ -829,20 +829,23 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
     pool_z: torch.Tensor | None = None
     pool_ids = torch.zeros(args.pool, args.text_len, dtype=torch.long, device=dev)
     pool_mask = torch.zeros_like(pool_ids)
-    pool_fg: torch.Tensor | None = None   # latent cells the objects touch (--object-weight)
+    pool_fg: torch.Tensor | None = None   # latent cells the objects touch (--object-weight only)
     filled, ptr, clips_used = 0, 0, 0
 
     def add(batches) -> None:
         nonlocal pool_z, pool_fg, filled, ptr, clips_used
         params, captions = next(batches)
-        z, fg = encode_clips(vae, params, args.frames, args.size, mean, std, dev)
+        z, fg = encode_clips(vae, params, args.frames, args.size, mean, std, dev,
+                             object_mask=args.object_weight > 0)
         ids, msk = tokenize(pipe.tokenizer, captions, args.text_len)
         if pool_z is None:
             pool_z = torch.zeros((args.pool, *z.shape[1:]), dtype=torch.bfloat16, device=dev)
-            pool_fg = torch.zeros((args.pool, *fg.shape[1:]), dtype=torch.bool, device=dev)
+            if fg is not None:
+                pool_fg = torch.zeros((args.pool, *fg.shape[1:]), dtype=torch.bool, device=dev)
         n = min(z.shape[0], args.pool - ptr)
         pool_z[ptr:ptr + n] = z[:n].to(torch.bfloat16)
-        pool_fg[ptr:ptr + n] = fg[:n]
+        if fg is not None:
+            pool_fg[ptr:ptr + n] = fg[:n]
         pool_ids[ptr:ptr + n], pool_mask[ptr:ptr + n] = ids[:n].to(dev), msk[:n].to(dev)
         ptr = (ptr + n) % args.pool
         filled = min(args.pool, filled + n)
@@ -883,7 +886,7 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
         t_data += time.perf_counter() - t_d
         idx = torch.randint(filled, (args.batch_size,), generator=gen, device=dev)
         z0 = pool_z[idx].float()
-        weight = 1.0 + args.object_weight * pool_fg[idx].float() if args.object_weight > 0 else None
+        weight = None if pool_fg is None else 1.0 + args.object_weight * pool_fg[idx].float()
         ids, msk = pool_ids[idx], pool_mask[idx]
         drop = torch.rand(args.batch_size, generator=gen, device=dev) < args.caption_dropout
         ids = torch.where(drop[:, None], empty_ids, ids)
@@ -1132,6 +1135,12 @@ def _device_name(dev: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
+def _refuse(message: str) -> int:
+    """Report a bad argument or state on stderr; the command's exit status 2."""
+    print(f"attnqat finetune tiny: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace) -> int:
     from attnqat.wan import resolve_device
 
@@ -1139,27 +1148,17 @@ def run(args: argparse.Namespace) -> int:
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     bad = [s for s in stages if s not in STAGES]
     if bad:
-        print(f"attnqat finetune tiny: unknown stage(s) {', '.join(bad)}; expected some of "
-              f"{', '.join(STAGES)}", file=sys.stderr)
-        return 2
+        return _refuse(f"unknown stage(s) {', '.join(bad)}; expected some of {', '.join(STAGES)}")
     if "export" in stages and args.resume is None:
-        print("attnqat finetune tiny: --stages export needs --resume", file=sys.stderr)
-        return 2
+        return _refuse("--stages export needs --resume")
     if args.frames < 1 or (args.frames - 1) % 4 or args.vae_frames < 1 or (args.vae_frames - 1) % 4:
-        print("attnqat finetune tiny: --frames and --vae-frames must be 4k+1", file=sys.stderr)
-        return 2
+        return _refuse("--frames and --vae-frames must be 4k+1")
     if args.eval_offset < 0 or args.eval_prompts < 1:
-        print("attnqat finetune tiny: --eval-offset must be >= 0 and --eval-prompts >= 1",
-              file=sys.stderr)
-        return 2
+        return _refuse("--eval-offset must be >= 0 and --eval-prompts >= 1")
     if not (args.text_aux >= 0.0 and args.text_attn_scale > 0.0 and args.object_weight >= 0.0):
-        print("attnqat finetune tiny: --text-aux and --object-weight must be >= 0 and "
-              "--text-attn-scale > 0", file=sys.stderr)
-        return 2
+        return _refuse("--text-aux and --object-weight must be >= 0 and --text-attn-scale > 0")
     if args.two_objects is not None and not 0.0 <= args.two_objects <= 1.0:
-        print(f"attnqat finetune tiny: --two-objects must be in [0, 1], got {args.two_objects}",
-              file=sys.stderr)
-        return 2
+        return _refuse(f"--two-objects must be in [0, 1], got {args.two_objects}")
     dev = resolve_device(args.device)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
@@ -1180,14 +1179,11 @@ def run(args: argparse.Namespace) -> int:
         state = {}
     if args.grow_layers:
         if args.resume is None or "t2v" not in stages:
-            print("attnqat finetune tiny: --grow-layers needs --resume and the t2v stage",
-                  file=sys.stderr)
-            return 2
+            return _refuse("--grow-layers needs --resume and the t2v stage")
         try:
             inserted = grow_transformer(pipe.transformer, args.grow_layers)
         except ValueError as e:
-            print(f"attnqat finetune tiny: {e}", file=sys.stderr)
-            return 2
+            return _refuse(str(e))
         cfg = replace(cfg, num_layers=args.grow_layers)
         log(f"transformer grown to {args.grow_layers} blocks (new, zero-output blocks at "
             f"{inserted})")
@@ -1196,9 +1192,8 @@ def run(args: argparse.Namespace) -> int:
     # the padded length of the prompt embeddings, as the pipeline will pad them at inference
     args.seq_len = int(cfg.defaults.get("max_sequence_length", TEXT_SEQ_LEN))
     if args.text_len > args.seq_len:
-        print(f"attnqat finetune tiny: --text-len {args.text_len} exceeds the model's "
-              f"max_sequence_length {args.seq_len}", file=sys.stderr)
-        return 2
+        return _refuse(f"--text-len {args.text_len} exceeds the model's max_sequence_length "
+                       f"{args.seq_len}")
     run_rec = {"date": _now(), "device": _device_name(dev), "stages": stages,
                "command": "attnqat finetune tiny " + shlex.join(sys.argv[1:])
                if sys.argv and not sys.argv[0].endswith("pytest") else None}
@@ -1236,8 +1231,7 @@ def run(args: argparse.Namespace) -> int:
         save(to_save)
     if "eval" in stages:
         if not (Path(args.out) / "model_index.json").is_file():
-            print(f"attnqat finetune tiny: nothing to evaluate at {args.out}", file=sys.stderr)
-            return 2
+            return _refuse(f"nothing to evaluate at {args.out}")
         evaluate(Path(args.out), args, dev)
     log(f"done in {clock.elapsed():.0f} s")
     return 0
