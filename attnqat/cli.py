@@ -54,7 +54,7 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
     ]),
     "finetune": ("Attn-QAT fine-tuning and the project's own tiny model", [
         Command("train", "attnqat.finetune.train", "fine-tune a Wan transformer with Attn-QAT"),
-        Command("data", "attnqat.finetune.synthetic",
+        Command("data", "attnqat.synthetic",
                 "write sample clips (mp4) and captions of the synthetic shapes data set, from the "
                 "training stream or the fixed held-out prompts"),
         Command("tiny", "attnqat.finetune.tiny_train",

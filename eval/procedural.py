@@ -1,4 +1,4 @@
-"""Procedural evaluator for clips of the synthetic shapes benchmark (``attnqat.finetune.synthetic``).
+"""Procedural evaluator for clips of the synthetic shapes benchmark (``attnqat.synthetic``).
 
 Given a caption in the benchmark's grammar and a clip (``uint8 (T, H, W, 3)``), it says whether
 the stated background, and for each stated object its colour, shape and motion, are what the clip
@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 from scipy import ndimage
 
-from attnqat.finetune.synthetic import BACKGROUND_COLOURS, OBJECT_COLOURS, ClipSpec, parse_caption
+from attnqat.synthetic import BACKGROUND_COLOURS, OBJECT_COLOURS, ClipSpec, parse_caption
 
 ATTRIBUTES: tuple[str, ...] = ("colour", "shape", "motion")
 
@@ -628,7 +628,7 @@ def validate(n: int = 200, seed: int = 1, frames: int = 33, size: int = 128,
     holds accuracies per attribute (over objects), per clip for the background, and the fraction
     of clips entirely right.
     """
-    from attnqat.finetune.synthetic import heldout_specs, render, spec_at
+    from attnqat.synthetic import heldout_specs, render, spec_at
 
     if n < 2:
         raise ValueError("n must be >= 2")
@@ -696,11 +696,11 @@ def read_video(path: str | Path) -> np.ndarray:
 def _mp4_round_trip(clip: np.ndarray) -> np.ndarray:
     import tempfile
 
-    from attnqat.finetune.synthetic import write_mp4
+    from attnqat.video import write_mp4
 
     with tempfile.TemporaryDirectory() as d:
         p = Path(d) / "clip.mp4"
-        write_mp4(p, clip)
+        write_mp4(clip, p, 16)
         return read_video(p)
 
 

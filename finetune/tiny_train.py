@@ -28,7 +28,7 @@ Stages (``--stages``, run in this order; any subset):
     ``--grow-layers N`` deepens a resumed transformer without changing its function
     (:func:`grow_transformer`); ``--compile`` runs the transformer through ``torch.compile``.
 ``eval``
-    Generate one clip per held-out prompt (:func:`attnqat.finetune.synthetic.heldout_prompts`,
+    Generate one clip per held-out prompt (:func:`attnqat.synthetic.heldout_prompts`,
     prompt ``i`` with seed ``i``; ``--eval-offset K`` starts at prompt ``K``) for each method
     through the project's generation code
     (:func:`attnqat.wan.load_models`, :func:`attnqat.generate.encode_prompts`,
@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from attnqat import tiny
-from attnqat.finetune.synthetic import (BACKGROUND_COLOURS, COLOURS, MAX_OBJECTS, MOTION_PHRASE,
+from attnqat.synthetic import (BACKGROUND_COLOURS, COLOURS, MAX_OBJECTS, MOTION_PHRASE,
                                         MOTIONS, OBJECT_COLOURS, SHAPES, ClipSpec, spec_at)
 
 STAGES = ("vae", "t2v", "eval", "export")
@@ -339,7 +339,7 @@ def spec_batches(seed: int, start: int, batch: int, workers: int,
 
 def render_batch(params: torch.Tensor, frames: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Render clips on ``params``' device, the arithmetic of
-    :func:`attnqat.finetune.synthetic.render` (square frames).
+    :func:`attnqat.synthetic.render` (square frames).
 
     Returns:
         ``(clips, fg)``: clips ``(B, T, H, W, 3)`` float32 holding integers 0..255 (what ``render``
@@ -385,7 +385,7 @@ def render_batch(params: torch.Tensor, frames: int, size: int) -> tuple[torch.Te
 
 def to_model_input(clips: torch.Tensor) -> torch.Tensor:
     """``(B, T, H, W, 3)`` 0..255 → ``(B, 3, T, H, W)`` in [-1, 1] (the VAE's input, as
-    :func:`attnqat.finetune.synthetic.to_tensor`)."""
+    :func:`attnqat.synthetic.to_tensor`)."""
     return clips.permute(0, 4, 1, 2, 3).div(127.5).sub(1.0).contiguous()
 
 
@@ -508,7 +508,7 @@ def weights_note(state: dict) -> str:
     v, t = state.get("vae", {}), state.get("t2v", {})
     runs = state.get("runs", [])
     last = runs[-1] if runs else {}
-    return (f"trained on the synthetic shapes data (attnqat.finetune.synthetic, training split: no "
+    return (f"trained on the synthetic shapes data (attnqat.synthetic, training split: no "
             f"held-out colour x shape x motion triple is ever shown) by `attnqat finetune tiny`: "
             f"VAE {v.get('steps', 0)} steps ({v.get('clips', 0)} clips), text encoder and "
             f"transformer {t.get('steps', 0)} steps ({t.get('samples', 0)} latents drawn from "
@@ -694,7 +694,7 @@ class TextBindingHead(torch.nn.Module):
     linear layer, cross-entropy). A bag-of-words encoder cannot do this for two-object captions
     (:func:`binding_signal`), so the loss pushes the encoder to attend along the word order. The
     head is used in training only and never saved; the labels come from the token ids (the
-    caption grammar of :mod:`attnqat.finetune.synthetic`), so no extra data is needed."""
+    caption grammar of :mod:`attnqat.synthetic`), so no extra data is needed."""
 
     def __init__(self, tokenizer, width: int) -> None:
         super().__init__()
@@ -1006,7 +1006,7 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
     """Score the saved model on the held-out prompts; returns (and writes) the result."""
     from attnqat import video as vid
     from attnqat.eval.procedural import summarize
-    from attnqat.finetune.synthetic import heldout_specs
+    from attnqat.synthetic import heldout_specs
     from attnqat.generate import encode_prompts, initial_latents, resolve_settings
     from attnqat.wan import load_models
 

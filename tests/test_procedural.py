@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from attnqat.eval import procedural as P
-from attnqat.finetune import synthetic as S
+from attnqat import synthetic as S
 
 N_GT = 120          # ground-truth clips (training stream) ...
 N_HELDOUT = 40      # ... plus held-out prompts
@@ -234,13 +234,13 @@ def test_score_many_summarises_per_attribute():
 
 def test_score_command_reads_generate_folders_and_lists(tmp_path, capsys):
     from attnqat.cli import main
-    from attnqat.finetune.synthetic import write_mp4
+    from attnqat.video import write_mp4
 
     spec = S.spec_at(707, 2)
     folder = tmp_path / "run1"
     folder.mkdir()
-    write_mp4(folder / "bf16.mp4", S.render(spec))
-    write_mp4(folder / "nvfp4.mp4", P.noise_clip(np.random.default_rng(0), (33, 128, 128, 3)))
+    write_mp4(S.render(spec), folder / "bf16.mp4", S.FPS)
+    write_mp4(P.noise_clip(np.random.default_rng(0), (33, 128, 128, 3)), folder / "nvfp4.mp4", S.FPS)
     record = {"prompt": spec.caption, "negative_prompt": "", "seed": 0, "settings": {},
               "versions": {}, "methods": {"bf16": {"video": "bf16.mp4"},
                                           "nvfp4": {"video": "nvfp4.mp4"}},

@@ -1,4 +1,4 @@
-"""Tests of the synthetic shapes data (attnqat.finetune.synthetic)."""
+"""Tests of the synthetic shapes data (attnqat.synthetic)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from attnqat.finetune import synthetic as S
+from attnqat import synthetic as S
 
 
 def test_vocabulary_and_default_clip_format():

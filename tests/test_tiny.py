@@ -27,7 +27,7 @@ def test_tokenizer_from_a_word_list():
 
 
 def test_vocabulary_covers_the_shapes_captions():
-    from attnqat.finetune.synthetic import heldout_prompts, spec_at
+    from attnqat.synthetic import heldout_prompts, spec_at
 
     vocab = tiny.tiny_vocabulary()
     tok = tiny.build_tokenizer(vocab)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from attnqat import tiny
 from attnqat.finetune import tiny_train as tt
-from attnqat.finetune.synthetic import heldout_specs, render, spec_at
+from attnqat.synthetic import heldout_specs, render, spec_at
 
 # a model small enough to train a few steps on the CPU in a second
 SMALL = {"num_attention_heads": 1, "num_layers": 1, "ffn_dim": 64, "text_d_model": 32,
@@ -245,7 +245,7 @@ def test_grow_transformer_keeps_the_function_and_deepens_the_stack():
 def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained, capsys):
     """--grow-layers, --two-objects, --compile, the text-binding loss and --object-weight on a
     resumed run, then --eval-offset."""
-    from attnqat.finetune.synthetic import heldout_prompts
+    from attnqat.synthetic import heldout_prompts
 
     root, out = trained
     grown = root / "grown"
@@ -271,7 +271,7 @@ def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained, capsy
 
 
 def test_binding_signal_tells_an_order_blind_text_encoder():
-    from attnqat.finetune.synthetic import parse_caption
+    from attnqat.synthetic import parse_caption
 
     pipe = small_pipe()
     two = [s for s in heldout_specs(40) if len(s.objects) == 2]
@@ -345,7 +345,7 @@ def test_export_writes_the_qat_slot_as_a_marked_copy(trained):
 
 
 def test_eval_stage_scores_every_method_through_the_generation_code(trained, capsys):
-    from attnqat.finetune.synthetic import heldout_prompts
+    from attnqat.synthetic import heldout_prompts
     from attnqat.generate import generate
     from attnqat.wan import load_models
 
@@ -409,7 +409,7 @@ def test_shipped_model_draws_a_heldout_prompt():
     1.0 (with the weights after runs 8, 12 and 16); a random initialization of the same
     architecture finds no object and the wrong background (score 0)."""
     from attnqat.eval.procedural import score_clip
-    from attnqat.finetune.synthetic import heldout_prompts
+    from attnqat.synthetic import heldout_prompts
     from attnqat.generate import generate
 
     prompt = heldout_prompts(7)[6]
@@ -430,7 +430,7 @@ def test_shipped_model_binds_each_motion_to_its_object():
     weights after run 16 (BF16, CPU, seed 0): both captions score 1.0 with their own clip and
     motion 0.0 with the other one's."""
     from attnqat.eval.procedural import score_clip
-    from attnqat.finetune.synthetic import heldout_prompts
+    from attnqat.synthetic import heldout_prompts
     from attnqat.generate import generate
 
     stated = heldout_prompts(1)[0]

@@ -556,16 +556,6 @@ class SyntheticClips(IterableDataset):  # type: ignore[misc]
 # Command line: dump sample clips
 
 
-def write_mp4(path: str | Path, frames: np.ndarray, fps: int = FPS) -> None:
-    """Write ``uint8 (T, H, W, 3)`` frames as an H.264 mp4 (yuv420p)."""
-    import imageio.v2 as imageio
-
-    with imageio.get_writer(str(path), fps=fps, codec="libx264", quality=9,
-                            pixelformat="yuv420p", macro_block_size=1) as writer:
-        for frame in frames:
-            writer.append_data(frame)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder to write clips and captions.json into")
     parser.add_argument("--n", type=int, default=8, help="number of clips")
@@ -578,6 +568,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .video import write_mp4
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.split == "heldout":
@@ -587,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
     index = []
     for k, spec in enumerate(specs):
         name = f"{args.split}_{k:05d}.mp4"
-        write_mp4(out / name, render(spec, args.frames, args.size))
+        write_mp4(render(spec, args.frames, args.size), out / name, FPS)
         index.append({"video": name, "caption": spec.caption})
         print(f"{name}  {spec.caption}")
     (out / "captions.json").write_text(json.dumps(index, indent=1))
@@ -598,5 +590,5 @@ __all__ = [
     "FPS", "COLOURS", "SHAPES", "MOTIONS", "BACKGROUNDS", "OBJECT_COLOURS", "BACKGROUND_COLOURS",
     "ObjectSpec", "ClipSpec", "caption_of", "parse_caption", "is_heldout_triple", "split_of",
     "HELDOUT_TRIPLES", "TRAIN_TRIPLES", "sample_spec", "spec_at", "with_layout", "heldout_specs",
-    "heldout_prompts", "render", "clip_at", "to_tensor", "SyntheticClips", "write_mp4",
+    "heldout_prompts", "render", "clip_at", "to_tensor", "SyntheticClips",
 ]
