@@ -96,13 +96,18 @@ class _FP4TrainingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, method: str):
+    def forward(ctx, q, k, v, scale: float, method: str, ablation: str | None = None):
         qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
-        f = ref.fp4_forward(qb, kb, vb, scale, "nvfp4", need_o_prime=(method == "attnqat"))
-        if method == "attnqat":
+        attnqat = method == "attnqat"
+        f = ref.fp4_forward(qb, kb, vb, scale, "nvfp4", need_o_prime=attnqat and ablation != "d_from_o")
+        if attnqat:
             # Dequantized NVFP4 values are exact in bf16/fp16/fp32: store them in the input dtype.
+            # Ablations (reference.ABLATIONS): "d_from_o" keeps O for D instead of O' (principle 2
+            # off), "p_unquantized" keeps no row maximum, so dV uses P itself (principle 1 off).
             dt = q.dtype
-            ctx.save_for_backward(f.qf.to(dt), f.kf.to(dt), f.vf.to(dt), f.o_prime, f.lse, f.row_max)
+            d_src = f.o if ablation == "d_from_o" else f.o_prime
+            row_max = None if ablation == "p_unquantized" else f.row_max
+            ctx.save_for_backward(f.qf.to(dt), f.kf.to(dt), f.vf.to(dt), d_src, f.lse, row_max)
         else:
             ctx.save_for_backward(qb, kb, vb, f.o, f.lse)
         ctx.scale, ctx.method = scale, method
@@ -116,15 +121,16 @@ class _FP4TrainingAttention(torch.autograd.Function):
         else:
             dq, dk, dv = ref.dropin_backward(*ctx.saved_tensors, dob, ctx.scale)
         dt = do.dtype
-        return dq.to(dt).transpose(1, 2), dk.to(dt).transpose(1, 2), dv.to(dt).transpose(1, 2), None, None
+        return (dq.to(dt).transpose(1, 2), dk.to(dt).transpose(1, 2), dv.to(dt).transpose(1, 2),
+                None, None, None)
 
 
-def _torch_attention(q, k, v, method: str, scale: float) -> torch.Tensor:
+def _torch_attention(q, k, v, method: str, scale: float, ablation: str | None = None) -> torch.Tensor:
     if method == "bf16":
         o = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), scale=scale)
         return o.transpose(1, 2)
     if method in ("attnqat", "dropin"):
-        return _FP4TrainingAttention.apply(q, k, v, scale, method)
+        return _FP4TrainingAttention.apply(q, k, v, scale, method, ablation)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         raise RuntimeError(f"method {method!r} is inference-only and has no backward; use 'attnqat' "
                            "(Attn-QAT training) or 'dropin' (the ablation) to train with 4-bit attention, "
@@ -145,7 +151,8 @@ def _kernels():
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = "bf16",
-              softmax_scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+              softmax_scale: float | None = None, backend: str = "auto",
+              ablation: str | None = None) -> torch.Tensor:
     """Attention on (batch, seq, heads, head_dim) tensors with one of :data:`METHODS`.
 
     Args:
@@ -154,11 +161,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = "
         method: ``bf16`` | ``nvfp4`` | ``sage3`` | ``attnqat`` | ``dropin`` (module docstring).
         softmax_scale: multiplies Q Kᵀ before the softmax; default 1/sqrt(head_dim).
         backend: ``auto`` | ``torch`` | ``triton``.
+        ablation: with ``method="attnqat"`` only, switch one stability principle off in the
+            backward (:data:`attnqat.reference.ABLATIONS`: ``"d_from_o"``, ``"p_unquantized"``).
+            The forward is unchanged. Runs on the PyTorch reference (``backend="triton"`` is an
+            error; ``"auto"`` uses the reference, with a one-time warning on CUDA).
 
     Returns:
         (B, Sq, H, D) in the dtype of ``q``.
     """
     scale = validate(q, k, v, method, softmax_scale, backend)
+    if ablation is not None:
+        ref.check_ablation(ablation)
+        if method != "attnqat":
+            raise ValueError(f"ablation {ablation!r} applies to method 'attnqat' only, not {method!r}")
+        if backend == "triton":
+            raise RuntimeError(f"backend='triton' cannot run the Attn-QAT ablation {ablation!r}: the "
+                               "ablations exist on the PyTorch reference only (backend='torch')")
+        if q.device.type == "cuda" and backend == "auto":
+            _warn_once(f"ablation:{ablation}", f"attnqat.attention: the Attn-QAT ablation {ablation!r} "
+                       "runs on the PyTorch reference (no Triton kernel implements it)")
+        return _torch_attention(q, k, v, method, scale, ablation)
     if backend == "torch" or (backend == "auto" and (q.device.type != "cuda" or method == "bf16")):
         return _torch_attention(q, k, v, method, scale)
     kernels, why = _kernels()

@@ -76,14 +76,15 @@ def build_random_transformer(config: dict[str, Any], device: torch.device,
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 
+    from .convert import param_dtype
+
     with init_empty_weights():  # parameters on the meta device, buffers (RoPE tables) real
         model = WanTransformer3DModel(**config)
-    keep = set(model._keep_in_fp32_modules or [])
     gen = torch.Generator(device=device).manual_seed(seed)
     dim = config["num_attention_heads"] * config["attention_head_dim"]
     for name, p in list(model.named_parameters()):
         parts = name.split(".")
-        dt = torch.float32 if keep.intersection(parts) else dtype
+        dt = param_dtype(model, name, dtype)
         t = torch.empty(p.shape, dtype=dt, device=device)
         if parts[-1] == "bias":
             t.zero_()

@@ -53,7 +53,18 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
                 "shape, motion, temporal consistency, cleanliness); --validate measures the scorer"),
     ]),
     "finetune": ("Attn-QAT fine-tuning and the project's own tiny model", [
-        Command("train", "attnqat.finetune.train", "fine-tune a Wan transformer with Attn-QAT"),
+        Command("train", "attnqat.finetune.train",
+                "fine-tune a Wan 2.1 transformer with Attn-QAT (or drop-in FP4, or BF16) attention "
+                "on captioned videos, a latent cache or the synthetic shapes; one GPU or many "
+                "(torchrun), resumable checkpoints"),
+        Command("cache", "attnqat.finetune.cache",
+                "encode captioned videos once into VAE latents and prompt embeddings (safetensors "
+                "shards; resumable; bad clips skipped and listed)"),
+        Command("export", "attnqat.finetune.export",
+                "write a training checkpoint as a diffusers transformer folder that generate and "
+                "the app load (--qat-transformer)"),
+        Command("plot", "attnqat.finetune.plot",
+                "draw the loss and gradient-norm curves of training runs in one PNG"),
         Command("data", "attnqat.synthetic",
                 "write sample clips (mp4) and captions of the synthetic shapes data set, from the "
                 "training stream or the fixed held-out prompts"),

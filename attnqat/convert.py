@@ -358,6 +358,14 @@ def _config_of(path: Path, config: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in cfg.items() if not k.startswith("_")}
 
 
+def param_dtype(model, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a Wan transformer parameter ``name`` is kept in when the model is loaded in
+    ``dtype``: float32 for the modules diffusers keeps in float32 (norms, time embedder,
+    modulation tables: ``_keep_in_fp32_modules``), else ``dtype``."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return torch.float32 if keep.intersection(name.split(".")) else dtype
+
+
 def load_wan_transformer(path: str | Path, *, config: Mapping[str, Any] | None = None,
                          dtype: torch.dtype = torch.bfloat16,
                          device: str | torch.device = "cpu"):
@@ -398,12 +406,8 @@ def load_wan_transformer(path: str | Path, *, config: Mapping[str, Any] | None =
         model = WanTransformer3DModel.from_config(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     check_state_dict(converted, expected, where=str(p), scheme=scheme, file_names=file_names)
-    keep = set(model._keep_in_fp32_modules or [])
-    ready = {}
-    for k, t in converted.items():
-        if t.is_floating_point():
-            t = t.to(torch.float32 if keep.intersection(k.split(".")) else dtype)
-        ready[k] = t
+    ready = {k: t.to(param_dtype(model, k, dtype)) if t.is_floating_point() else t
+             for k, t in converted.items()}
     model.load_state_dict(ready, strict=True, assign=True)
     model.to(device)
     model.eval()
@@ -420,5 +424,5 @@ def load_wan_transformer(path: str | Path, *, config: Mapping[str, Any] | None =
 
 
 __all__ = ["CheckpointError", "CheckpointInfo", "KNOWN_PREFIXES", "SCHEMES", "check_state_dict",
-           "checkpoint_files", "detect_scheme", "from_diffusers", "load_wan_transformer",
+           "checkpoint_files", "detect_scheme", "from_diffusers", "load_wan_transformer", "param_dtype",
            "read_state_dict", "strip_prefix", "to_diffusers"]

@@ -228,6 +228,20 @@ def _flash_backward(q, k, v, lse, d_row, do, scale, row_max=None):
     return dq, dk, dv
 
 
+#: Attn-QAT backward ablations (training studies; reference backend only): each switches one of the
+#: method's two stability principles off.
+ABLATIONS = {
+    "d_from_o": "principle 2 off: D = rowsum(dO ∘ O) from the 4-bit output O instead of O'",
+    "p_unquantized": "principle 1 off: dV = Pᵀ dO with P not re-quantized",
+}
+
+
+def check_ablation(ablation: str | None) -> None:
+    if ablation is not None and ablation not in ABLATIONS:
+        raise ValueError(f"unknown Attn-QAT ablation {ablation!r}; expected one of "
+                         f"{', '.join(ABLATIONS)} (or None for the full method)")
+
+
 def attnqat_backward(qf, kf, vf, o_prime, lse, row_max, do, scale):
     """Attn-QAT backward (both principles), straight-through for every quantizer.
 
@@ -236,6 +250,9 @@ def attnqat_backward(qf, kf, vf, o_prime, lse, row_max, do, scale):
     before dV = (Pᶠ)ᵀ dO. Principle 2: D = rowsum(dO ∘ O') with O' the output of
     unquantized P and quantized V; dP = dO (Vᶠ)ᵀ; dS = P ∘ (dP − D); dQ = scale·dS Kᶠ;
     dK = scale·dSᵀ Qᶠ. Returns (dq, dk, dv) in float32, (B, H, S, D).
+
+    The ablations of :data:`ABLATIONS` are this function fed differently: ``d_from_o`` passes the
+    4-bit output O as ``o_prime``; ``p_unquantized`` passes ``row_max=None`` (dV from P itself).
     """
     do = do.float()
     d_row = (do * o_prime).sum(dim=-1)

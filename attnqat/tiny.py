@@ -249,14 +249,15 @@ def save_pipeline(pipe, out: str | Path, qat_out: str | Path | None = None, *,
 
     from diffusers import WanPipeline
 
+    from .convert import param_dtype
+
     out = Path(out).resolve()
     qat = Path(qat_out).resolve() if qat_out is not None else None
     transformer = copy.deepcopy(pipe.transformer).to("cpu")
     text_encoder = copy.deepcopy(pipe.text_encoder).to("cpu", torch.bfloat16)
-    keep = set(transformer._keep_in_fp32_modules or [])
     with torch.no_grad():
         for name, p in transformer.named_parameters():
-            p.data = p.data.to(torch.float32 if keep.intersection(name.split(".")) else torch.bfloat16)
+            p.data = p.data.to(param_dtype(transformer, name, torch.bfloat16))
     vae = copy.deepcopy(pipe.vae).to("cpu")
     with torch.no_grad():
         for p in vae.parameters():

@@ -12,6 +12,7 @@ otherwise rendered with Pillow into an image that ffmpeg overlays on the band.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import shutil
 import subprocess
@@ -114,6 +115,52 @@ def read_mp4(path: str | Path) -> tuple[np.ndarray, float]:
     if not frames:
         raise ValueError(f"{path} holds no video frames")
     return np.stack(frames), float(meta["fps"])
+
+
+def read_clip(path: str | Path, frames: int, height: int, width: int, *, stride: int = 1) -> np.ndarray:
+    """The first ``frames`` frames (every ``stride``-th) of a video file of any format ffmpeg reads,
+    scaled so that it covers ``height`` × ``width`` and center-cropped to it: (frames, height,
+    width, 3) uint8 RGB. Only the frames needed are decoded.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not a readable video, or holds fewer frames than asked for (the
+            message says how many it has).
+    """
+    import imageio_ffmpeg
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such video: {path}")
+    if frames < 1 or height < 1 or width < 1 or stride < 1:
+        raise ValueError(f"frames, height, width and stride must be positive, got {frames}, "
+                         f"{height}, {width}, {stride}")
+    vf = (f"select=not(mod(n\\,{stride})),scale={width}:{height}:force_original_aspect_ratio=increase,"
+          f"crop={width}:{height},setsar=1")
+    out: list[np.ndarray] = []
+    # imageio-ffmpeg logs a warning when the filter changes the frame size, which is the point here
+    quiet = logging.getLogger("imageio_ffmpeg")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        reader = imageio_ffmpeg.read_frames(str(path), pix_fmt="rgb24",
+                                            output_params=["-vf", vf, "-fps_mode", "passthrough",
+                                                           "-frames:v", str(frames)])
+        try:
+            next(reader)   # the metadata
+            for buf in reader:
+                out.append(np.frombuffer(buf, dtype=np.uint8).reshape(height, width, 3))
+        finally:
+            reader.close()
+    except (OSError, RuntimeError, StopIteration) as exc:
+        raise ValueError(f"{path} is not a readable video ({type(exc).__name__}: "
+                         f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else 'no detail'})") from exc
+    finally:
+        quiet.setLevel(level)
+    if len(out) < frames:
+        raise ValueError(f"{path} has {len(out)} frame(s) at stride {stride}, fewer than the "
+                         f"{frames} asked for")
+    return np.stack(out)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from typing import Any, Iterator
 import torch
 
 from .attention import BACKENDS, METHODS, attention
+from .reference import check_ablation
 from .tiny import SIDECAR, TINY_MODEL_DIR
 
 FP4_SCOPES = ("self", "all")
@@ -87,19 +88,24 @@ class AttnQATProcessor:
         fp4_scope: ``"self"`` — cross-attention runs ``bf16``; ``"all"`` — cross-attention runs
             ``method`` too.
         backend: passed to :func:`attnqat.attention` (``auto`` | ``torch`` | ``triton``).
-        timing: measure the time spent inside the attention calls.
+        timing: measure the time spent inside the attention calls (inference; training and
+            ``torch.compile`` turn it off).
+        ablation: an Attn-QAT backward ablation (:data:`attnqat.reference.ABLATIONS`) applied to
+            the calls that run ``attnqat`` (training studies; PyTorch reference only).
     """
 
     def __init__(self, method: str = "bf16", fp4_scope: str = "self", backend: str = "auto",
-                 timing: bool = True) -> None:
+                 timing: bool = True, ablation: str | None = None) -> None:
         _check_method(method)
         _check_scope(fp4_scope)
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        check_ablation(ablation)
         self.method = method
         self.fp4_scope = fp4_scope
         self.backend = backend
         self.timing = timing
+        self.ablation = ablation
         self.reset_stats()
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -142,20 +148,25 @@ class AttnQATProcessor:
         key = f"{kind}:{method}"
         self.calls_by_method[key] = self.calls_by_method.get(key, 0) + 1
         if not self.timing:
-            return attention(q, k, v, method=method, backend=self.backend)
+            return self._call(q, k, v, method)
         if q.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = attention(q, k, v, method=method, backend=self.backend)
+            out = self._call(q, k, v, method)
             end.record()
             self._events.append((start, end))
             if len(self._events) >= _MAX_PENDING_EVENTS:  # long runs (training): bounded memory
                 self._fold_events()
             return out
         t0 = time.perf_counter()
-        out = attention(q, k, v, method=method, backend=self.backend)
+        out = self._call(q, k, v, method)
         self._cpu_seconds += time.perf_counter() - t0
         return out
+
+    def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str) -> torch.Tensor:
+        if self.ablation is not None and method == "attnqat":
+            return attention(q, k, v, method=method, backend=self.backend, ablation=self.ablation)
+        return attention(q, k, v, method=method, backend=self.backend)
 
     def __call__(self, attn, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
@@ -193,7 +204,7 @@ class AttnQATProcessor:
 
     def __repr__(self) -> str:
         return (f"AttnQATProcessor(method={self.method!r}, fp4_scope={self.fp4_scope!r}, "
-                f"backend={self.backend!r})")
+                f"backend={self.backend!r}" + (f", ablation={self.ablation!r})" if self.ablation else ")"))
 
 
 def get_processor(transformer: torch.nn.Module) -> AttnQATProcessor | None:
@@ -208,7 +219,7 @@ def get_processor(transformer: torch.nn.Module) -> AttnQATProcessor | None:
 
 def install_attention(transformer: torch.nn.Module, method: str = "bf16", *,
                       fp4_scope: str = "self", backend: str = "auto",
-                      timing: bool = True) -> AttnQATProcessor:
+                      timing: bool = True, ablation: str | None = None) -> AttnQATProcessor:
     """Install one :class:`AttnQATProcessor` on every attention module of a Wan transformer.
 
     Uses the public ``set_attn_processor`` (works with autograd and gradient checkpointing). Returns
@@ -216,7 +227,7 @@ def install_attention(transformer: torch.nn.Module, method: str = "bf16", *,
     """
     if not hasattr(transformer, "set_attn_processor"):
         raise TypeError(f"expected a diffusers WanTransformer3DModel, got {type(transformer).__name__}")
-    proc = AttnQATProcessor(method, fp4_scope, backend, timing)
+    proc = AttnQATProcessor(method, fp4_scope, backend, timing, ablation)
     transformer.set_attn_processor(proc)
     return proc
 

@@ -156,6 +156,64 @@ def test_dropin_backward_equals_flash_backward_fed_fp4_o_and_lse(case, outliers)
         assert rel_error(ours, theirs) < 1e-4
 
 
+def _materialized_attnqat_parts(q, k, v, do, scale):
+    """Qᶠ, Kᶠ, Vᶠ, P (normalized, from Qᶠ Kᶠᵀ), the 4-bit O and O' = P Vᶠ, (B, H, S, D) layout."""
+    qf, kf, vf = (fake_quantize_nvfp4(bhsd(t), d) for t, d in ((q, -1), (k, -1), (v, -2)))
+    p = torch.softmax(qf @ kf.transpose(-1, -2) * scale, dim=-1)
+    return qf, kf, vf, p, bhsd(materialized_nvfp4(q, k, v, scale)), p @ vf
+
+
+@pytest.mark.parametrize("outliers", [False, True])
+def test_ablation_d_from_o_takes_d_from_the_4bit_output(outliers):
+    """Principle 2 off: D = rowsum(dO ∘ O) with the 4-bit O; dV is Attn-QAT's (D does not enter it)."""
+    q, k, v = make_qkv(Sq=150, Skv=290, outliers=outliers, seed=21)
+    do = torch.randn_like(q)
+    scale = q.shape[-1] ** -0.5
+    grads = {}
+    for ablation in (None, "d_from_o"):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = attention(qq, kk, vv, method="attnqat", backend="torch", ablation=ablation)
+        assert torch.equal(out.detach(), attention(q, k, v, method="nvfp4", backend="torch"))
+        out.backward(do)
+        grads[ablation] = (qq.grad, kk.grad, vv.grad)
+    qf, kf, vf, p, o4, _ = _materialized_attnqat_parts(q, k, v, do, scale)
+    dob = bhsd(do)
+    ds = p * (dob @ vf.transpose(-1, -2) - (dob * o4).sum(-1, keepdim=True))
+    assert rel_error(grads["d_from_o"][0], (ds @ kf * scale).transpose(1, 2)) < 1e-4
+    assert rel_error(grads["d_from_o"][1], (ds.transpose(-1, -2) @ qf * scale).transpose(1, 2)) < 1e-4
+    assert torch.equal(grads["d_from_o"][2], grads[None][2])
+    assert rel_error(grads["d_from_o"][0], grads[None][0]) > 1e-3
+
+
+@pytest.mark.parametrize("outliers", [False, True])
+def test_ablation_p_unquantized_takes_dv_from_p_itself(outliers):
+    """Principle 1 off: dV = Pᵀ dO with P not re-quantized; dQ, dK are Attn-QAT's."""
+    q, k, v = make_qkv(Sq=150, Skv=290, outliers=outliers, seed=22)
+    do = torch.randn_like(q)
+    scale = q.shape[-1] ** -0.5
+    grads = {}
+    for ablation in (None, "p_unquantized"):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        attention(qq, kk, vv, method="attnqat", backend="torch", ablation=ablation).backward(do)
+        grads[ablation] = (qq.grad, kk.grad, vv.grad)
+    _, _, _, p, _, _ = _materialized_attnqat_parts(q, k, v, do, scale)
+    want_dv = (p.transpose(-1, -2) @ bhsd(do)).transpose(1, 2)
+    assert rel_error(grads["p_unquantized"][2], want_dv) < 1e-4
+    assert rel_error(grads[None][2], want_dv) > 1e-3   # the full method re-quantizes P
+    for i in (0, 1):
+        assert torch.equal(grads["p_unquantized"][i], grads[None][i])
+
+
+def test_ablations_are_checked():
+    q, k, v = make_qkv(Sq=20, seed=1)
+    with pytest.raises(ValueError, match="unknown Attn-QAT ablation"):
+        attention(q, k, v, method="attnqat", ablation="d_from_q")
+    with pytest.raises(ValueError, match="applies to method 'attnqat' only"):
+        attention(q, k, v, method="dropin", ablation="d_from_o")
+    with pytest.raises(RuntimeError, match="PyTorch reference only"):
+        attention(q, k, v, method="attnqat", backend="triton", ablation="p_unquantized")
+
+
 def test_attnqat_and_dropin_gradients_differ_and_bf16_inputs_work():
     q, k, v = make_qkv(Sq=64, Skv=64, seed=13, dtype=torch.bfloat16)
     do = torch.randn_like(q)

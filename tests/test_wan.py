@@ -146,6 +146,27 @@ def test_training_with_gradient_checkpointing(transformer):
             assert torch.allclose(p.grad, plain[n], rtol=1e-4, atol=1e-6), n
 
 
+def test_an_ablation_reaches_the_attnqat_calls_only(transformer):
+    """With ablation p_unquantized the self-attention (attnqat) calls take dV from P itself: the
+    value projection's gradient changes, the query's does not (dQ is Attn-QAT's either way)."""
+    x, t, e = inputs()
+    transformer.train()
+    grads = {}
+    for ablation in (None, "p_unquantized"):
+        proc = wan.install_attention(transformer, "attnqat", timing=False, ablation=ablation)
+        assert proc.ablation == ablation
+        transformer.zero_grad(set_to_none=True)
+        forward(transformer, x, t, e).square().mean().backward()
+        grads[ablation] = {n: p.grad.clone() for n, p in transformer.named_parameters()
+                           if p.grad is not None}
+    last = f"blocks.{LAYERS - 1}.attn1"
+    assert not torch.equal(grads[None][f"{last}.to_v.weight"], grads["p_unquantized"][f"{last}.to_v.weight"])
+    assert torch.equal(grads[None][f"{last}.to_q.weight"], grads["p_unquantized"][f"{last}.to_q.weight"])
+    assert "ablation='p_unquantized'" in repr(proc)
+    with pytest.raises(ValueError, match="unknown Attn-QAT ablation"):
+        wan.install_attention(transformer, "attnqat", ablation="d_from_x")
+
+
 def test_processor_rejects_bad_settings(transformer):
     with pytest.raises(ValueError, match="unknown attention method"):
         wan.set_method(transformer, "fp8")

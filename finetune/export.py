@@ -1,0 +1,124 @@
+"""``attnqat finetune export``: a training checkpoint → a diffusers transformer folder.
+
+The folder holds ``config.json`` and ``diffusion_pytorch_model.safetensors`` (bfloat16, with the
+modules diffusers keeps in float32 in float32 — what ``from_pretrained`` gives), so
+``attnqat generate --qat-transformer DIR``, ``attnqat app --qat-transformer DIR`` and
+``WanTransformer3DModel.from_pretrained(DIR)`` load it, and an ``attnqat.json`` record: the
+student's attention method and ablation, the steps and samples trained, the data, the base model
+and starting weights, the recipe, the final loss and the checkpoint it came from. Its
+``qat_weights_note`` is what generate and the app show under the weights.
+
+Reading the checkpoint needs no process group and no GPU: ``torch.distributed.checkpoint`` joins
+the shards of any number of ranks. ``--weights ema`` takes the exponential moving average (when
+the run kept one; the default then), ``live`` the optimizer's weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+
+#: the ``weights`` value of the record, by student attention
+WEIGHTS_KIND = {"attnqat": "attnqat-finetuned", "dropin": "dropin-finetuned",
+                "bf16": "bf16-attention-finetuned"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", type=Path,
+                        help="a run folder (its latest checkpoint) or one checkpoint folder")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="transformer folder to write (replaced if it exists)")
+    parser.add_argument("--weights", choices=("auto", "ema", "live"), default="auto",
+                        help="EMA or live weights (auto: the EMA when the run kept one)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="storage dtype (float32 modules stay float32)")
+
+
+def _note(cfg: dict, state: dict, weights: str) -> str:
+    method = cfg["attention"]
+    what = {"attnqat": "Attn-QAT fine-tuned (4-bit attention in training, Attn-QAT backward)",
+            "dropin": "fine-tuned with drop-in 4-bit attention (4-bit forward, ordinary backward: "
+                      "the ablation, not Attn-QAT)",
+            "bf16": "fine-tuned with BF16 attention (the control: no quantization in training, "
+                    "not Attn-QAT)"}[method]
+    if cfg.get("ablation"):
+        what += f", ablation {cfg['ablation']}"
+    return (f"{what}; {state['step']} steps, {state['samples']} samples of {cfg['data']}, from "
+            f"{cfg.get('transformer') or cfg['model']}; {weights} weights; trained by `attnqat "
+            f"finetune train` ({state.get('date', '?')})")
+
+
+def export(run: str | Path, out: str | Path, *, weights: str = "auto",
+           dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write the transformer folder (module docstring); returns it."""
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+
+    from attnqat.convert import param_dtype
+
+    folder = ckpt.resolve(run, run)
+    state = ckpt.read_state(folder)
+    cfg, tcfg = state["config"], state["transformer_config"]
+    if weights == "auto":
+        weights = "ema" if state.get("ema_updates") else "live"
+    if weights == "ema" and not state.get("ema_updates"):
+        raise ValueError(f"{folder} holds no EMA weights (the run had --ema 0); use --weights live")
+    with init_empty_weights():
+        model = WanTransformer3DModel.from_config(tcfg)
+    full = {k: torch.empty(p.shape, dtype=torch.float32) for k, p in model.named_parameters()}
+    ckpt.load_full_state(folder, full, key="ema" if weights == "ema" else "model")
+    ready = {k: t.to(param_dtype(model, k, dtype)) for k, t in full.items()}
+    model.load_state_dict(ready, strict=False, assign=True)
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        record = {
+            "kind": "attnqat-transformer", "weights": WEIGHTS_KIND[cfg["attention"]],
+            "qat_weights_note": _note(cfg, state, weights),
+            "training": {"attention": cfg["attention"], "ablation": cfg.get("ablation"),
+                         "scope": cfg["scope"], "steps": state["step"], "samples": state["samples"],
+                         "data": cfg["data"], "base_model": cfg["model"],
+                         "start_weights": cfg.get("transformer"), "recipe": cfg.get("recipe"),
+                         "lr": cfg["lr"], "schedule": cfg["schedule"],
+                         "batch": cfg["batch_size"] * cfg["grad_accum"] * state.get("world", 1),
+                         "final_loss": state.get("loss"), "date": state.get("date"),
+                         "weights": weights, "checkpoint": str(folder)},
+            "exported": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        (tmp / "attnqat.json").write_text(json.dumps(record, indent=1) + "\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        for f in [tmp, *tmp.rglob("*")]:
+            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        out = export(args.run, args.out, weights=args.weights, dtype=getattr(torch, args.dtype))
+    except (FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"attnqat finetune export: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({json.loads((out / 'attnqat.json').read_text())['qat_weights_note']})")
+    return 0
+
+
+__all__ = ["WEIGHTS_KIND", "add_arguments", "export", "run"]
