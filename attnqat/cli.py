@@ -43,6 +43,9 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
                 "time every attention method and PyTorch SDPA at the Wan 2.1 shapes (GPU)"),
         Command("wan", "attnqat.bench_wan",
                 "time one full-size Wan 2.1 transformer forward per attention method (GPU, random weights)"),
+        Command("train", "attnqat.finetune.bench_train",
+                "time one fine-tuning step of a full-size Wan 2.1 transformer per student attention "
+                "(GPU, random weights; torchrun for several GPUs)"),
     ]),
     "eval": ("blind win-tie-lose human study and automatic scores", [
         Command("build", "attnqat.eval.build", "build a blind study from generated clips"),

@@ -87,7 +87,8 @@ class AttnQATProcessor:
         method: attention method for self-attention (one of :data:`attnqat.METHODS`).
         fp4_scope: ``"self"`` — cross-attention runs ``bf16``; ``"all"`` — cross-attention runs
             ``method`` too.
-        backend: passed to :func:`attnqat.attention` (``auto`` | ``torch`` | ``triton``).
+        backend: passed to :func:`attnqat.attention` (``auto`` | ``torch`` | ``triton``) for the
+            4-bit calls; ``bf16`` calls always run PyTorch SDPA (no Triton kernel exists for them).
         timing: measure the time spent inside the attention calls (inference; training and
             ``torch.compile`` turn it off).
         ablation: an Attn-QAT backward ablation (:data:`attnqat.reference.ABLATIONS`) applied to
@@ -164,9 +165,12 @@ class AttnQATProcessor:
         return out
 
     def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str) -> torch.Tensor:
+        # plain attention has no Triton kernel: its calls (cross-attention under scope "self") run
+        # PyTorch SDPA whatever the backend, so backend="triton" means "Triton for the 4-bit calls"
+        backend = "auto" if method == "bf16" else self.backend
         if self.ablation is not None and method == "attnqat":
-            return attention(q, k, v, method=method, backend=self.backend, ablation=self.ablation)
-        return attention(q, k, v, method=method, backend=self.backend)
+            return attention(q, k, v, method=method, backend=backend, ablation=self.ablation)
+        return attention(q, k, v, method=method, backend=backend)
 
     def __call__(self, attn, hidden_states: torch.Tensor,
                  encoder_hidden_states: torch.Tensor | None = None,
