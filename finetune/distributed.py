@@ -68,6 +68,8 @@ def init(device: str = "auto") -> DistContext:
     else:
         dev = resolve_device(device)
         if dev.type == "cuda":
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(dev)
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if not dist.is_initialized():
