@@ -21,7 +21,10 @@ Stages (``--stages``, run in this order; any subset):
     pipeline's default negative prompt encodes) with probability ``--caption-dropout``, so
     classifier-free guidance works. AdamW, linear warm-up, linear decay over the last part of the
     budget, bf16 autocast on CUDA, an exponential moving average (EMA) of the weights, which is
-    what gets saved. Latents come from a pool on the device: ``--pool`` clips are rendered and
+    what gets saved. The objective, the schedule, the EMA and the run log (``--log-dir``) are the
+    ones ``attnqat finetune train`` uses (:mod:`attnqat.finetune.objective`,
+    :mod:`~attnqat.finetune.schedule`, :mod:`~attnqat.finetune.runlog`); what is this module's own
+    is the tiny model: the VAE stage, the text encoder trained jointly, the pool of latents. Latents come from a pool on the device: ``--pool`` clips are rendered and
     encoded first, then every ``--fresh-every`` steps ``--fresh`` new clips replace the oldest,
     and each step trains on ``--batch-size`` latents drawn from the pool at random.
     ``--two-objects`` sets the share of two-object clips (the stream's default is half);
@@ -45,7 +48,9 @@ Budgets are in minutes (``--vae-minutes``, ``--t2v-minutes``) and/or steps (``--
 ``--t2v-steps``): a stage stops at whichever comes first. ``--time-limit-minutes`` bounds the whole
 process (training is cut short to leave ``--reserve-minutes`` for saving and evaluation).
 ``--resume DIR`` continues from a saved model folder: the weights only (the EMA weights, which
-are what is saved). The optimizer restarts with a fresh state and a new warm-up: its state (twice
+are what is saved). Unlike the fine-tuning trainer's checkpoints (:mod:`attnqat.finetune.checkpoint`:
+model, optimizer, EMA, random states, data position), these saves are the shipped model folder
+itself, small enough to carry between time-limited GPU calls. The optimizer restarts with a fresh state and a new warm-up: its state (twice
 the float32 weights) is not saved, so that a checkpoint is the model folder itself and stays small
 enough to carry between runs of a time-limited machine. The step counts of every run are kept in the
 folder's ``attnqat.json`` (``training``).
@@ -77,6 +82,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from attnqat import tiny
+from attnqat.finetune.encode import latent_norm
+from attnqat.finetune.objective import flow_matching_loss, noisy_input, predict, sample_sigma
+from attnqat.finetune.runlog import RunLog
+from attnqat.finetune.schedule import EMA, lr_factor
 from attnqat.synthetic import (BACKGROUND_COLOURS, COLOURS, MAX_OBJECTS, MOTION_PHRASE,
                                         MOTIONS, OBJECT_COLOURS, SHAPES, ClipSpec, spec_at)
 
@@ -122,6 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--save-every-minutes", type=float, default=2.0,
                    help="save the model during the t2v stage this often")
     g.add_argument("--log-every", type=int, default=50, help="print a progress line every N steps")
+    g.add_argument("--log-dir", type=Path, default=None,
+                   help="also write the progress records there: log.jsonl and TensorBoard scalars "
+                        "(attnqat.finetune.runlog, as `attnqat finetune train` does)")
 
     g = parser.add_argument_group("vae stage")
     g.add_argument("--vae-minutes", type=float, default=0.0, help="time budget (0: none)")
@@ -253,15 +265,6 @@ def log(msg: str) -> None:
 
 def _autocast(dev: torch.device):
     return torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
-
-
-def lr_factor(step: int, progress: float, warmup: int, decay_frac: float, final: float) -> float:
-    """Linear warm-up over ``warmup`` steps; constant; linear fall to ``final`` over the last
-    ``decay_frac`` of the budget (``progress`` in [0, 1])."""
-    f = min(1.0, (step + 1) / max(1, warmup))
-    if decay_frac > 0 and progress > 1.0 - decay_frac:
-        f *= final + (1.0 - final) * max(0.0, 1.0 - progress) / decay_frac
-    return f
 
 
 class Budget:
@@ -533,22 +536,23 @@ def save_model(pipe, out: Path, qat_out: Path | None, cfg: tiny.TinyWanConfig, s
                            qat_sidecar=tiny.copy_of_base_sidecar(seed, qat_note))
 
 
-class EMA:
-    """Exponential moving average of the float parameters of some modules (kept in copies)."""
+def ema_of(modules: list[torch.nn.Module], decay: float) -> EMA:
+    """The shared :class:`attnqat.finetune.schedule.EMA` over several modules' parameters, named
+    ``"<module index>.<parameter name>"``."""
+    return EMA({f"{i}.{n}": p for i, m in enumerate(modules) for n, p in m.named_parameters()}, decay)
 
-    def __init__(self, modules: list[torch.nn.Module], decay: float) -> None:
-        self.decay = decay
-        self.copies = [copy.deepcopy(m).eval().requires_grad_(False) for m in modules]
-        self.live = [list(m.parameters()) for m in modules]
-        self.avg = [list(c.parameters()) for c in self.copies]
-        self.updates = 0
 
-    @torch.no_grad()
-    def update(self) -> None:
-        self.updates += 1
-        d = min(self.decay, (1.0 + self.updates) / (10.0 + self.updates))
-        for live, avg in zip(self.live, self.avg):
-            torch._foreach_lerp_(avg, live, 1.0 - d)
+def averaged(modules: list[torch.nn.Module], ema: EMA | None) -> list[torch.nn.Module]:
+    """Copies of ``modules`` holding the EMA weights (the modules themselves without an EMA)."""
+    if ema is None:
+        return modules
+    out = []
+    for i, m in enumerate(modules):
+        c = copy.deepcopy(m).eval().requires_grad_(False)
+        c._compiled_call_impl = None   # a copy to save, not to run compiled
+        ema.copy_to(c, prefix=f"{i}.")
+        out.append(c)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -601,7 +605,8 @@ def train_vae(pipe, args, state: dict, dev: torch.device, clock: Clock, record: 
         x = to_model_input(clips)
         t_data += time.perf_counter() - t_d
         for g in opt.param_groups:
-            g["lr"] = args.vae_lr * lr_factor(step, budget.progress(step), 100, 0.2, 0.1)
+            g["lr"] = args.vae_lr * lr_factor(step, budget.progress(step), warmup=100,
+                                              schedule="linear_tail", decay_frac=0.2, final=0.1)
         with _autocast(dev):
             loss, parts = vae_loss(vae, x, fg, args.kl_weight, args.fg_weight, gen, args.vae_sample)
         opt.zero_grad(set_to_none=True)
@@ -612,6 +617,10 @@ def train_vae(pipe, args, state: dict, dev: torch.device, clock: Clock, record: 
         seen += x.shape[0]
         if step % args.log_every == 0 or step == 1:
             dt = time.perf_counter() - t_last
+            if args.runlog is not None:
+                args.runlog.write(st["steps"] + step, "vae", loss=loss.item(), **parts,
+                                  grad_norm=float(gnorm), lr=opt.param_groups[0]["lr"],
+                                  clips_per_s=seen / dt)
             log(f"vae step {st['steps'] + step:6d}  loss {loss.item():.4f}  l1 {parts['l1']:.4f} "
                 f"l2 {parts['l2']:.5f} kl {parts['kl']:.2f}  gnorm {float(gnorm):.2f}  "
                 f"{seen / dt:.1f} clips/s  data {100 * t_data / dt:.0f}%  "
@@ -752,36 +761,22 @@ def flow_loss(transformer, text_encoder, z0: torch.Tensor, ids: torch.Tensor, ma
               seq_len: int = TEXT_SEQ_LEN, text_aux: TextBindingHead | None = None,
               aux_weight: float = 0.0, aux_out: dict | None = None,
               weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Rectified-flow matching loss of one batch of normalized latents ``z0`` (with ``weight``,
-    broadcastable to ``z0``, a weighted mean normalized by the mean weight); with ``text_aux``,
-    plus ``aux_weight`` times its binding loss (the parts go to ``aux_out``)."""
-    b = z0.shape[0]
-    u = torch.rand(b, generator=generator, device=z0.device)
-    sigma = shift * u / (1.0 + (shift - 1.0) * u)
+    """Rectified-flow matching loss (:mod:`attnqat.finetune.objective`: uniform noise levels
+    through the flow shift, then the noise, drawn from ``generator``) of one batch of normalized
+    latents ``z0``, with the prompt embeddings computed differentiably by ``text_encoder``; with
+    ``weight`` (broadcastable to ``z0``) a weighted mean; with ``text_aux``, plus ``aux_weight``
+    times its binding loss (the parts go to ``aux_out``)."""
+    sigma = sample_sigma(z0.shape[0], generator, sampling="uniform", shift=shift, device=z0.device)
     noise = torch.randn(z0.shape, generator=generator, device=z0.device)
-    s = sigma.view(b, 1, 1, 1, 1)
-    xt = (1.0 - s) * z0 + s * noise
+    xt, timestep, target = noisy_input(z0, noise, sigma)
     emb = encode_text(text_encoder, ids, mask, seq_len)
-    pred = transformer(hidden_states=xt, timestep=sigma * 1000.0, encoder_hidden_states=emb,
-                       return_dict=False)[0]
-    if weight is None:
-        loss = F.mse_loss(pred.float(), noise - z0)
-    else:
-        weight = weight.float().expand_as(z0)
-        loss = ((pred.float() - (noise - z0)).square() * weight).mean() / weight.mean()
+    loss = flow_matching_loss(predict(transformer, xt, timestep, emb), target, weight)
     if text_aux is None:
         return loss
     aux, acc = text_aux(emb[:, :ids.shape[1]], ids)
     if aux_out is not None:
         aux_out.update(flow=loss.detach(), aux=aux.detach(), acc=acc.detach())
     return loss + aux_weight * aux
-
-
-def _latent_norm(vae, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    c = vae.config.z_dim
-    mean = torch.tensor(vae.config.latents_mean, device=dev).view(1, c, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std, device=dev).view(1, c, 1, 1, 1)
-    return mean, std
 
 
 @torch.no_grad()
@@ -809,13 +804,13 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
     vae = pipe.vae.to(dev).eval().requires_grad_(False)
     te = pipe.text_encoder.to(dev).train().requires_grad_(True)
     tr = pipe.transformer.to(dev).train().requires_grad_(True)
-    mean, std = _latent_norm(vae, dev)
+    mean, std = latent_norm(vae, dev)
     st = state.setdefault("t2v", {"steps": 0, "samples": 0, "clips": 0, "seconds": 0.0})
     if args.text_attn_scale != 1.0:
         scale_text_attention(te, args.text_attn_scale)
         log(f"t2v: text encoder attention logits scaled by {args.text_attn_scale}")
     head = TextBindingHead(pipe.tokenizer, te.config.d_model).to(dev) if args.text_aux > 0 else None
-    ema = EMA([te, tr], args.ema) if args.ema > 0 else None
+    ema = ema_of([te, tr], args.ema) if args.ema > 0 else None
     trained = [te, tr] + ([head] if head is not None else [])
     opt = torch.optim.AdamW(_param_groups(trained, args.weight_decay), lr=args.lr,
                             betas=(0.9, 0.99), eps=1e-8)
@@ -870,7 +865,7 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
         f"{sum(p.numel() for p in te.parameters()) / 1e6:.2f} M parameters")
 
     if args.compile:
-        tr.compile()   # in place: the parameters (and the EMA's copies of them) stay the same
+        tr.compile()   # in place: the parameters (which the EMA follows) stay the same
     budget = Budget(args.t2v_steps, args.t2v_minutes, clock)
     log(f"t2v: batch {args.batch_size}, {fresh} fresh clips every {args.fresh_every} steps, budget "
         f"{args.t2v_steps or '-'} steps / {budget.seconds / 60:.1f} min")
@@ -892,8 +887,9 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
         ids = torch.where(drop[:, None], empty_ids, ids)
         msk = torch.where(drop[:, None], empty_mask, msk)
         for g in opt.param_groups:
-            g["lr"] = args.lr * lr_factor(step, budget.progress(step), args.warmup,
-                                          args.decay_frac, args.final_lr_frac)
+            g["lr"] = args.lr * lr_factor(step, budget.progress(step), warmup=args.warmup,
+                                          schedule="linear_tail", decay_frac=args.decay_frac,
+                                          final=args.final_lr_frac)
         try:
             with _autocast(dev):
                 loss = flow_loss(tr, te, z0, ids, msk, gen, args.shift, args.seq_len, head,
@@ -916,6 +912,11 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
         loss_sum, loss_n = loss_sum + loss.detach(), loss_n + 1
         if step % args.log_every == 0 or step == 1:
             dt = time.perf_counter() - t_last
+            if args.runlog is not None:
+                args.runlog.write(st["steps"] + step, "train", loss=float(loss_sum) / loss_n,
+                                  grad_norm=float(gnorm), lr=opt.param_groups[0]["lr"],
+                                  steps_per_s=loss_n / dt,
+                                  **({k: float(v) for k, v in aux_out.items()} if aux_out else {}))
             log(f"t2v step {st['steps'] + step:6d}  loss {float(loss_sum) / loss_n:.4f}  gnorm "
                 f"{float(gnorm):.2f}  lr {opt.param_groups[0]['lr']:.2e}  "
                 f"{loss_n / dt:.1f} it/s  data {100 * t_data / dt:.0f}%  t {clock.elapsed():.0f}s"
@@ -925,7 +926,7 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
         if args.save_every_minutes > 0 and time.perf_counter() - t_saved > 60 * args.save_every_minutes:
             before = dict(st)   # the save carries this run so far; training goes on from before
             _t2v_account(st, record, step, args, clips_used, budget, loss.item())
-            save(ema.copies if ema is not None else [te, tr])
+            save(averaged([te, tr], ema))
             st.clear()
             st.update(before)
             t_saved = time.perf_counter()
@@ -934,7 +935,7 @@ def train_t2v(pipe, args, state: dict, dev: torch.device, clock: Clock,
     _t2v_account(st, record, step, args, clips_used, budget, loss.item())
     te.eval().requires_grad_(False)
     tr.eval().requires_grad_(False)
-    return ema.copies if ema is not None else [te, tr]
+    return averaged([te, tr], ema)
 
 
 def _t2v_account(st: dict, record: dict, step: int, args, clips: int, budget: Budget,
@@ -1160,6 +1161,7 @@ def run(args: argparse.Namespace) -> int:
     if args.two_objects is not None and not 0.0 <= args.two_objects <= 1.0:
         return _refuse(f"--two-objects must be in [0, 1], got {args.two_objects}")
     dev = resolve_device(args.device)
+    args.runlog = RunLog(args.log_dir) if getattr(args, "log_dir", None) else None
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     if dev.type == "cuda":
@@ -1234,6 +1236,8 @@ def run(args: argparse.Namespace) -> int:
             return _refuse(f"nothing to evaluate at {args.out}")
         evaluate(Path(args.out), args, dev)
     log(f"done in {clock.elapsed():.0f} s")
+    if args.runlog is not None:
+        args.runlog.close()
     return 0
 
 

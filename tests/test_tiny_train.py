@@ -67,10 +67,21 @@ def test_text_encoding_equals_the_pipeline_prompt_embeddings():
 
 
 def test_lr_factor_warms_up_and_decays():
-    assert tt.lr_factor(0, 0.0, 10, 0.3, 0.1) == pytest.approx(0.1)
-    assert tt.lr_factor(50, 0.5, 10, 0.3, 0.1) == 1.0
-    assert tt.lr_factor(90, 0.85, 10, 0.3, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert tt.lr_factor(99, 1.0, 10, 0.3, 0.1) == pytest.approx(0.1)
+    from attnqat.finetune.schedule import lr_factor
+
+    def tail(step, progress):
+        return lr_factor(step, progress, warmup=10, schedule="linear_tail", decay_frac=0.3, final=0.1)
+
+    assert tail(0, 0.0) == pytest.approx(0.1)
+    assert tail(50, 0.5) == 1.0
+    assert tail(90, 0.85) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert tail(99, 1.0) == pytest.approx(0.1)
+    assert lr_factor(5, 0.3) == 1.0   # constant, no warm-up
+    cos = [lr_factor(s, s / 10, schedule="cosine", final=0.2) for s in range(11)]
+    assert cos[0] == 1.0 and cos[5] == pytest.approx(0.6) and cos[10] == pytest.approx(0.2)
+    assert all(a >= b for a, b in zip(cos, cos[1:]))
+    with pytest.raises(ValueError, match="unknown schedule"):
+        lr_factor(0, 0.0, schedule="step")
 
 
 def _fit(params, loss_fn, steps: int, lr: float) -> tuple[float, float]:
@@ -173,7 +184,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_train")
     out = root / "model"
     rc = tt.main(["--stages", "vae,t2v", "--out", str(out), "--config", json.dumps(SMALL),
-                  "--vae-steps", "2", "--t2v-steps", "2", *SMALL_RUN])
+                  "--vae-steps", "2", "--t2v-steps", "2", "--log-dir", str(root / "log"), *SMALL_RUN])
     assert rc == 0
     return root, out
 
@@ -182,7 +193,11 @@ def test_training_writes_a_loadable_trained_pipeline(trained):
     from attnqat.generate import generate
     from attnqat.wan import load_models
 
-    _, out = trained
+    root, out = trained
+    from attnqat.finetune.runlog import read_log
+
+    assert [r["step"] for r in read_log(root / "log", "vae")] == [1, 2]   # the shared run log
+    assert [r["step"] for r in read_log(root / "log", "train")] == [1, 2]
     side = json.loads((out / tiny.SIDECAR).read_text())
     assert side["weights"] == "trained" and side["kind"] == "tiny-wan"
     assert "synthetic shapes" in side["weights_note"] and "2 steps" in side["weights_note"]
