@@ -287,3 +287,20 @@ def test_plot_draws_several_runs(model, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     with pytest.raises(ValueError, match="label"):
         plot_runs([tmp_path / "a"], tmp_path / "x.png", labels=["one", "two"])
+
+
+def test_bench_train_times_every_student_through_the_trainer(tmp_path, capsys):
+    from attnqat.cli import main
+
+    out = tmp_path / "bench.json"
+    assert main(["bench", "train", "--config", "tiny", "--resolution", "32x32", "--frames", "5",
+                 "--steps", "1", "--warmup", "1", "--device", "cpu", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert [r["method"] for r in rec["rows"]] == ["bf16", "attnqat", "dropin"]
+    for r in rec["rows"]:
+        assert r["step_s"] > 0 and r["loss_finite"] and len(r["losses"]) == 2
+        assert r["tokens_per_step_per_gpu"] == 2 * (32 // 16) ** 2 and r["precision"] == "fp32"
+    # the three students share the forward of their first (warm-up) step
+    assert rec["rows"][1]["losses"][0] == rec["rows"][2]["losses"][0] != rec["rows"][0]["losses"][0]
+    assert "vs bf16" in capsys.readouterr().out
+    assert main(["bench", "train", "--config", "tiny", "--methods", "fp8", "--device", "cpu"]) == 2
