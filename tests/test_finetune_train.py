@@ -304,3 +304,24 @@ def test_bench_train_times_every_student_through_the_trainer(tmp_path, capsys):
     assert rec["rows"][1]["losses"][0] == rec["rows"][2]["losses"][0] != rec["rows"][0]["losses"][0]
     assert "vs bf16" in capsys.readouterr().out
     assert main(["bench", "train", "--config", "tiny", "--methods", "fp8", "--device", "cpu"]) == 2
+
+
+@pytest.mark.parametrize("scheme", ["fastvideo", "wan"])
+def test_start_weights_in_another_naming_scheme(model, tmp_path, scheme):
+    """The model's own transformer saved under FastVideo's or original Wan's names (with a wrapper
+    prefix) trains exactly as the model's transformer does."""
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    from attnqat.convert import from_diffusers
+
+    tr = WanTransformer3DModel.from_pretrained(model, subfolder="transformer")
+    renamed = {"model." + k: v.contiguous() for k, v in from_diffusers(tr.state_dict(), scheme).items()}
+    assert "model.blocks.0.attn1.to_q.weight" not in renamed
+    path = tmp_path / f"{scheme}.safetensors"
+    save_file(renamed, str(path))
+    common = ["--steps", "2", "--batch-size", "2", "--lr", "1e-3", "--warmup", "0"]
+    assert train(model, tmp_path / "own", *common) == 0
+    assert train(model, tmp_path / "other", *common, "--transformer", str(path)) == 0
+    assert losses(tmp_path / "other") == losses(tmp_path / "own")
+    assert json.loads((tmp_path / "other" / "config.json").read_text())["transformer"] == str(path)
