@@ -961,81 +961,26 @@ def _t2v_account(st: dict, record: dict, step: int, args, clips: int, budget: Bu
 # Stage 3: held-out evaluation through the generation code
 
 
-def _score(item: tuple[str, np.ndarray]) -> dict:
-    from attnqat.eval.procedural import score_clip
-
-    return score_clip(*item)
-
-
-def _score_all(prompts: list[str], clips: list[np.ndarray], workers: int) -> list[dict]:
-    items = list(zip(prompts, clips))
-    if workers <= 0:
-        return [_score(i) for i in items]
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    ctx = mp.get_context("fork")
-    with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx) as pool:
-        return list(pool.map(_score, items, chunksize=2))
-
-
-def generate_clips(models, settings: list, pe: torch.Tensor, ne: torch.Tensor | None,
-                   lat0: torch.Tensor, method: str, backend: str, batch: int) -> list[np.ndarray]:
-    """One clip per prompt with ``method``, prompts denoised ``batch`` at a time."""
-    from attnqat.generate import decode, denoise
-    from attnqat.wan import set_method
-
-    tr = models.pipe.transformer
-    set_method(tr, method, backend=backend)
-    s0 = settings[0]
-    clips: list[np.ndarray] = []
-    for i in range(0, len(settings), batch):
-        sl = slice(i, i + batch)
-        lat = denoise(tr, models.pipe.scheduler, lat0[sl], pe[sl], None if ne is None else ne[sl],
-                      steps=s0.steps, guidance=s0.guidance, shift=s0.shift, device=models.device)
-        clips += [decode(models, lat[j:j + 1]) for j in range(lat.shape[0])]
-    return clips
-
-
-def _summary_row(summary: dict) -> dict:
-    keys = ("colour", "shape", "motion", "background", "count", "all_correct", "prompt_score",
-            "quality", "aggregate", "clips", "objects")
-    return {k: summary[k] for k in keys}
-
-
 def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
-    """Score the saved model on the held-out prompts; returns (and writes) the result."""
-    from attnqat import video as vid
-    from attnqat.eval.procedural import summarize
-    from attnqat.synthetic import heldout_specs
-    from attnqat.generate import encode_prompts, initial_latents, resolve_settings
+    """Score the saved model on the held-out prompts (:mod:`attnqat.finetune.heldout`); returns
+    (and writes) the result."""
     from attnqat.wan import load_models
+
+    from . import heldout
 
     t0 = time.perf_counter()
     models = load_models(model_dir, device=dev)
     first = args.eval_offset
-    specs = heldout_specs(first + args.eval_prompts)[first:]
-    prompts = [s.caption for s in specs]
     methods = [m.strip() for m in args.eval_methods.split(",") if m.strip()]
 
-    def settings_for(guidance: float | None) -> list:
-        return [resolve_settings(p, methods="bf16", seed=first + i, steps=args.eval_steps,
-                                 guidance=guidance, height=args.eval_size, width=args.eval_size,
-                                 frames=args.eval_frames, device=str(dev), model=str(model_dir),
-                                 backend=args.eval_backend, info=models.info)[0]
-                for i, p in enumerate(prompts)]
+    def prepare(guidance: float | None) -> heldout.HeldoutInputs:
+        return heldout.inputs(models, first, args.eval_prompts, steps=args.eval_steps,
+                              guidance=guidance, size=args.eval_size, frames=args.eval_frames,
+                              backend=args.eval_backend)
 
-    def embeds(settings: list):
-        pairs = [encode_prompts(models, s.prompt, s.negative_prompt, s.guidance, s.max_sequence_length)
-                 for s in settings]
-        pe = torch.cat([p for p, _ in pairs])
-        ne = None if pairs[0][1] is None else torch.cat([n for _, n in pairs])
-        return pe, ne
-
-    settings = settings_for(args.eval_guidance)
-    pe, ne = embeds(settings)
-    lat0 = torch.cat([initial_latents(models, s) for s in settings])
-    s0 = settings[0]
+    inp = prepare(args.eval_guidance)
+    specs, prompts, s0 = inp.specs, inp.prompts, inp.settings[0]
+    tr = models.pipe.transformer
     text_binding = binding_signal(models.pipe.text_encoder, models.pipe.tokenizer, specs,
                                   args.text_len)
     result = {"model": str(model_dir), "date": _now(), "device": _device_name(dev),
@@ -1052,23 +997,19 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
     n_objects = [len(s.objects) for s in specs]
     for m in methods:
         t1 = time.perf_counter()
-        clips[m] = generate_clips(models, settings, pe, ne, lat0, m, args.eval_backend, args.eval_batch)
+        clips[m] = heldout.generate_clips(models, tr, inp, m, args.eval_backend, args.eval_batch)
         t2 = time.perf_counter()
-        scores[m] = _score_all(prompts, clips[m], args.workers)
-        row = _summary_row(summarize(scores[m]))
+        scores[m] = heldout.score_all(prompts, clips[m], args.workers)
+        row = heldout.summary_row(scores[m])
         # where the errors are: one-object against two-object prompts
-        row["by_objects"] = {str(n): _summary_row(summarize([s for s, k in zip(scores[m], n_objects)
-                                                             if k == n]))
+        row["by_objects"] = {str(n): heldout.summary_row([s for s, k in zip(scores[m], n_objects)
+                                                          if k == n])
                              for n in sorted(set(n_objects))}
         row.update(generate_s=round(t2 - t1, 2), score_s=round(time.perf_counter() - t2, 2))
         if m != "bf16" and "bf16" in clips:
-            ps = [vid.psnr(a, b) for a, b in zip(clips[m], clips["bf16"])]
-            finite = [p for p in ps if math.isfinite(p)]
-            row["psnr_vs_bf16"] = float(np.mean(finite)) if finite else None
-            row["psnr_vs_bf16_median"] = float(np.median(finite)) if finite else None
-            row["identical_to_bf16"] = len(ps) - len(finite)
-            row["ssim_vs_bf16"] = float(np.mean([vid.ssim(a, b)
-                                                 for a, b in zip(clips[m], clips["bf16"])]))
+            sim = heldout.similarity(clips[m], clips["bf16"])
+            row.update(psnr_vs_bf16=sim["psnr"], psnr_vs_bf16_median=sim["psnr_median"],
+                       identical_to_bf16=sim["identical"], ssim_vs_bf16=sim["ssim"])
         result["methods"][m] = row
         log(f"eval {m}: {len(prompts)} clips generated in {t2 - t1:.1f} s, scored in "
             f"{time.perf_counter() - t2:.1f} s")
@@ -1083,11 +1024,9 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
     if sweep:
         result["guidance_sweep_bf16"] = {}
         for g in sweep:
-            sg = settings_for(g)
-            pg, ng = embeds(sg)
-            cg = generate_clips(models, sg, pg, ng, lat0, "bf16", args.eval_backend, args.eval_batch)
-            scored = _score_all(prompts, cg, args.workers)
-            result["guidance_sweep_bf16"][str(g)] = _summary_row(summarize(scored))
+            cg = heldout.generate_clips(models, tr, prepare(g), "bf16", args.eval_backend, args.eval_batch)
+            result["guidance_sweep_bf16"][str(g)] = heldout.summary_row(
+                heldout.score_all(prompts, cg, args.workers))
     result["seconds"] = round(time.perf_counter() - t0, 1)
     path = args.eval_json or Path(str(args.out) + "-eval.json")
     path.parent.mkdir(parents=True, exist_ok=True)
