@@ -32,6 +32,10 @@ COMMANDS: list[Command] = [
             "a labelled side-by-side mp4 and a JSON record of timings and PSNR/SSIM"),
     Command("app", "attnqat.app.cli",
             "launch the Gradio comparison app (embedded tiny model by default; no GPU, no network)"),
+    Command("repro", "attnqat.finetune.repro",
+            "reproduce the Attn-QAT paper's claims on the embedded tiny model: fine-tune with "
+            "Attn-QAT, BF16, drop-in FP4 and the two ablations, evaluate on held-out prompts, "
+            "write docs/repro.md (GPU)"),
 ]
 
 GROUPS: dict[str, tuple[str, list[Command]]] = {

@@ -1,0 +1,469 @@
+"""``attnqat repro``: the Attn-QAT paper's three claims, measured on the embedded tiny model.
+
+Claims (arXiv 2603.00040), at small scale: (1) naive 4-bit attention degrades a BF16-trained
+model; (2) fine-tuning with Attn-QAT recovers the quality without SageAttention3's outlier
+heuristics; (3) fine-tuning with a drop-in 4-bit forward and an ordinary backward is unstable.
+
+Stages (``--stages``, any subset, in this order; each continues what an earlier call left):
+
+``train``
+    Fine-tunes the shipped base with ``attnqat finetune train`` once per run of :data:`RUNS` — the
+    same data (the synthetic stream, training split), seed, step budget and recipe for all, VAE
+    and text encoder frozen; only the student attention differs — then exports each run
+    (``attnqat finetune export``, EMA weights when ``--ema`` > 0). A run with checkpoints resumes;
+    a finished one is skipped.
+``eval``
+    Generates one clip per held-out prompt (``--eval-offset`` … ``+ --eval-prompts``; prompt ``i``
+    with seed ``i``; prompts the runs never chose anything with) for every configuration of
+    :data:`CONFIGS` whose run exists, scores it procedurally and measures PSNR/SSIM against the
+    base model's BF16 clip of the same prompt and seed (:mod:`attnqat.finetune.heldout`). One JSON
+    per configuration in ``WORK/eval``; configurations already there are kept.
+``report``
+    Rates with 95 % Wilson intervals, paired comparisons (exact McNemar test on the clips
+    all-correct; the difference with a paired bootstrap interval over prompts), the runs' loss
+    and gradient-norm curves as PNG, written to ``--doc`` (default ``docs/repro.md``) with the
+    commands that made every number.
+``ship``
+    Copies the ``attnqat`` run's export to ``--ship-to`` (default ``assets/tiny-wan-qat``) with its
+    provenance: the run, the evaluation's headline numbers, the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+STAGES = ("train", "eval", "report", "ship")
+#: run name → (student attention, ablation, label)
+RUNS: dict[str, tuple[str, str | None, str]] = {
+    "attnqat": ("attnqat", None, "Attn-QAT"),
+    "bf16": ("bf16", None, "BF16 control"),
+    "dropin": ("dropin", None, "drop-in FP4 (ordinary backward)"),
+    "p2off": ("attnqat", "d_from_o", "Attn-QAT, principle 2 off (D from O)"),
+    "p1off": ("attnqat", "p_unquantized", "Attn-QAT, principle 1 off (P not re-quantized)"),
+}
+#: configuration → (weights: "base" or a run, attention at inference, label)
+CONFIGS: dict[str, tuple[str, str, str]] = {
+    "base-bf16": ("base", "bf16", "base, BF16 attention"),
+    "base-nvfp4": ("base", "nvfp4", "base, NVFP4 attention"),
+    "base-sage3": ("base", "sage3", "base, SageAttention3"),
+    "qat-nvfp4": ("attnqat", "nvfp4", "Attn-QAT, NVFP4 attention"),
+    "qat-bf16": ("attnqat", "bf16", "Attn-QAT, BF16 attention"),
+    "control-bf16": ("bf16", "bf16", "BF16 control, BF16 attention"),
+    "control-nvfp4": ("bf16", "nvfp4", "BF16 control, NVFP4 attention"),
+    "dropin-nvfp4": ("dropin", "nvfp4", "drop-in, NVFP4 attention"),
+    "p2off-nvfp4": ("p2off", "nvfp4", "principle 2 off, NVFP4 attention"),
+    "p1off-nvfp4": ("p1off", "nvfp4", "principle 1 off, NVFP4 attention"),
+}
+#: paired comparisons of the report (A, B): A's all-correct rate minus B's
+PAIRS = (("qat-nvfp4", "base-bf16"), ("qat-nvfp4", "base-nvfp4"), ("qat-nvfp4", "control-nvfp4"),
+         ("base-nvfp4", "base-bf16"), ("control-nvfp4", "base-bf16"), ("base-sage3", "base-bf16"),
+         ("dropin-nvfp4", "base-bf16"), ("p2off-nvfp4", "base-bf16"), ("p1off-nvfp4", "base-bf16"))
+ATTRS = ("colour", "shape", "motion")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from attnqat.tiny import TINY_MODEL_DIR, TINY_QAT_DIR
+
+    parser.add_argument("--work", type=Path, default=Path("runs/repro"),
+                        help="working folder: runs/, export/, eval/ (continued across calls)")
+    parser.add_argument("--stages", default="train,eval,report",
+                        help=f"comma-separated stages, in order: {', '.join(STAGES)}")
+    parser.add_argument("--runs", default=",".join(RUNS),
+                        help=f"the fine-tuning runs to train and evaluate: {', '.join(RUNS)}")
+    parser.add_argument("--model", default=str(TINY_MODEL_DIR), help="the base pipeline")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps of every run")
+    parser.add_argument("--batch-size", type=int, default=32, help="clips per step")
+    parser.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (constant)")
+    parser.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    parser.add_argument("--ema", type=float, default=0.995, help="EMA decay of the exported weights (0: live weights)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data stream and the noise")
+    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts scored")
+    parser.add_argument("--eval-offset", type=int, default=100,
+                        help="first held-out prompt (0-99 chose the base model's checkpoint)")
+    parser.add_argument("--eval-batch", type=int, default=50, help="prompts denoised together")
+    parser.add_argument("--eval-backend", choices=("auto", "torch", "triton"), default="auto",
+                        help="attention kernels at inference")
+    parser.add_argument("--workers", type=int, default=8,
+                        help="DataLoader workers rendering clips; processes scoring clips")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--time-limit", type=float, default=0.0,
+                        help="minutes for the train stage (runs stop with a checkpoint and resume "
+                             "on the next call; 0: none)")
+    parser.add_argument("--doc", type=Path, default=Path("docs/repro.md"), help="report to write")
+    parser.add_argument("--figures", type=Path, default=None,
+                        help="folder of the report's PNG curves (default: beside --doc)")
+    parser.add_argument("--ship-to", type=Path, default=TINY_QAT_DIR,
+                        help="where the ship stage puts the Attn-QAT transformer")
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def log(msg: str) -> None:
+    print(f"[repro] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Train
+
+
+def train_args(args, name: str) -> list[str]:
+    """The ``attnqat finetune train`` arguments of run ``name``."""
+    attention, ablation, _ = RUNS[name]
+    out = args.work / "runs" / name
+    a = ["--model", str(args.model), "--data", "synthetic", "--out", str(out), "--attention", attention,
+         "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+         "--warmup", str(args.warmup), "--schedule", "constant", "--ema", str(args.ema),
+         "--seed", str(args.seed), "--workers", str(args.workers), "--device", args.device,
+         "--checkpoint-every", str(max(1, args.steps // 4)), "--keep", "1"]
+    if ablation:
+        a += ["--ablation", ablation, "--backend", "torch"]
+    return a
+
+
+def stage_train(args, runs: list[str]) -> int:
+    from . import checkpoint as ckpt
+    from . import train as T
+    from .export import export
+
+    t0 = time.perf_counter()
+    for name in runs:
+        out = args.work / "runs" / name
+        done = ckpt.complete_checkpoints(out)
+        if not (done and done[-1][0] >= args.steps):
+            a = train_args(args, name)
+            if done:
+                a.append("--resume")
+            if args.time_limit > 0:
+                left = args.time_limit - (time.perf_counter() - t0) / 60
+                if left <= 0.2:
+                    log(f"time limit reached before run {name}; continue with the same command")
+                    return 0
+                a += ["--time-limit", f"{left:.2f}"]
+            log(f"run {name}: attnqat finetune train {shlex.join(a)}")
+            parser = argparse.ArgumentParser()
+            T.add_arguments(parser)
+            rc = T.run(parser.parse_args(a))
+            if rc not in (0,):
+                log(f"run {name} stopped with status {rc}")
+                if rc == T.EXIT_NONFINITE:
+                    continue   # a diverged run is a result (claim 3); nothing to export
+                return rc
+            done = ckpt.complete_checkpoints(out)
+            if not done or done[-1][0] < args.steps:
+                log(f"run {name} paused at step {done[-1][0] if done else 0}; continue with the "
+                    "same command")
+                return 0
+        dst = args.work / "export" / name
+        if not (dst / "attnqat.json").is_file() or \
+                json.loads((dst / "attnqat.json").read_text())["training"]["steps"] < args.steps:
+            export(out, dst)
+            log(f"exported {name} to {dst}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Eval
+
+
+def _clip_record(score: dict) -> dict:
+    return {"all_correct": bool(score["all_correct"]), "background": bool(score["background"]),
+            "objects": [{a: bool(o[a]) for a in ATTRS} for o in score["objects"]]}
+
+
+def stage_eval(args, runs: list[str]) -> int:
+    import torch
+
+    from attnqat.convert import load_wan_transformer
+    from attnqat.wan import load_models
+
+    from . import heldout
+
+    folder = args.work / "eval"
+    folder.mkdir(parents=True, exist_ok=True)
+    todo = [c for c, (w, _, _) in CONFIGS.items() if (w == "base" or w in runs)
+            and not (folder / f"{c}.json").is_file()]
+    missing = [c for c in todo if CONFIGS[c][0] != "base"
+               and not (args.work / "export" / CONFIGS[c][0] / "attnqat.json").is_file()]
+    if missing:
+        log(f"no exported weights for {', '.join(missing)} (run the train stage first); skipped")
+        todo = [c for c in todo if c not in missing]
+    if not todo:
+        log("every configuration is evaluated already")
+        return 0
+    models = load_models(args.model, device=args.device)
+    inp = heldout.inputs(models, args.eval_offset, args.eval_prompts, backend=args.eval_backend)
+    t0 = time.perf_counter()
+    base_bf16 = heldout.generate_clips(models, models.pipe.transformer, inp, "bf16",
+                                       args.eval_backend, args.eval_batch)
+    log(f"base BF16 reference clips: {len(base_bf16)} in {time.perf_counter() - t0:.1f} s")
+    cfg = dict(models.pipe.transformer.config)
+    for c in todo:
+        weights, method, _ = CONFIGS[c]
+        t1 = time.perf_counter()
+        if weights == "base":
+            tr = models.pipe.transformer
+        else:
+            tr, _ = load_wan_transformer(args.work / "export" / weights, config=cfg,
+                                         dtype=models.pipe.transformer.dtype, device=models.device)
+        clips = base_bf16 if c == "base-bf16" else heldout.generate_clips(
+            models, tr, inp, method, args.eval_backend, args.eval_batch)
+        t2 = time.perf_counter()
+        scores = heldout.score_all(inp.prompts, clips, args.workers)
+        rec = {"config": c, "weights": weights, "attention": method, "date": _now(),
+               "device": torch.cuda.get_device_name(models.device) if models.device.type == "cuda" else "cpu",
+               "backend": args.eval_backend, "first_prompt": args.eval_offset,
+               "prompts": inp.prompts, "seeds": [s.seed for s in inp.settings],
+               "settings": {k: getattr(inp.settings[0], k) for k in
+                            ("steps", "guidance", "shift", "height", "width", "frames")},
+               "summary": heldout.summary_row(scores),
+               "similarity_to_base_bf16": None if c == "base-bf16" else heldout.similarity(clips, base_bf16),
+               "clips": [_clip_record(s) for s in scores],
+               "generate_s": round(t2 - t1, 1), "score_s": round(time.perf_counter() - t2, 1)}
+        if weights != "base":
+            rec["weights_record"] = json.loads((args.work / "export" / weights / "attnqat.json").read_text())
+        (folder / f"{c}.json").write_text(json.dumps(rec, indent=1) + "\n")
+        log(f"{c}: all-correct {rec['summary']['all_correct']:.3f} ({t2 - t1:.1f} s generating, "
+            f"{rec['score_s']} s scoring)")
+        if weights != "base":
+            del tr
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Report
+
+
+def _rate(k: int, n: int) -> str:
+    from attnqat.eval.stats import wilson_interval
+
+    lo, hi = wilson_interval(k, n)
+    return f"{100 * k / n:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]"
+
+
+def paired(a: list[bool], b: list[bool], n_boot: int = 10000, seed: int = 0) -> dict:
+    """All-correct of A against B on the same prompts and seeds: the difference of the rates,
+    its 95 % paired-bootstrap interval (resampling prompts), and the exact McNemar test (two-sided
+    binomial test of the discordant pairs)."""
+    from scipy.stats import binomtest
+
+    x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if x.shape != y.shape or not len(x):
+        raise ValueError("paired comparison of unequal or empty outcome lists")
+    only_a, only_b = int(((x == 1) & (y == 0)).sum()), int(((x == 0) & (y == 1)).sum())
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(x), size=(n_boot, len(x)))
+    boot = (x[idx] - y[idx]).mean(axis=1)
+    p = float(binomtest(only_a, only_a + only_b, 0.5).pvalue) if only_a + only_b else 1.0
+    return {"diff": float(x.mean() - y.mean()), "lo": float(np.quantile(boot, 0.025)),
+            "hi": float(np.quantile(boot, 0.975)), "only_a": only_a, "only_b": only_b, "p": p,
+            "n": len(x)}
+
+
+def _stability(recs: list[dict], clip: float) -> dict:
+    g = np.array([r["grad_norm"] for r in recs])
+    loss = np.array([r["loss"] for r in recs])
+    tail = max(1, len(loss) // 10)
+    return {"steps": len(recs), "loss_first": float(loss[:tail].mean()), "loss_last": float(loss[-tail:].mean()),
+            "grad_median": float(np.median(g)), "grad_max": float(g.max()),
+            "clipped": int((g > clip).sum()), "nonfinite": not bool(np.isfinite(loss).all())}
+
+
+def stage_report(args, runs: list[str], command: str) -> int:
+    from .plot import plot_runs
+    from .runlog import read_log
+
+    ev = {c: json.loads((args.work / "eval" / f"{c}.json").read_text())
+          for c in CONFIGS if (args.work / "eval" / f"{c}.json").is_file()}
+    if "base-bf16" not in ev:
+        log("nothing to report: run the eval stage first")
+        return 2
+    figs = args.figures or args.doc.parent
+    figs.mkdir(parents=True, exist_ok=True)
+    run_dirs = {r: args.work / "runs" / r for r in runs if (args.work / "runs" / r / "log.jsonl").is_file()}
+    lines = [f"# Attn-QAT on the embedded tiny model: the paper's claims, measured", "",
+             f"Written by `{command}` on {_now()[:10]} (every number below comes from it; the "
+             "training and evaluation stages can run in several calls, each continuing the last)."]
+    e0 = ev["base-bf16"]
+    s = e0["settings"]
+    n = len(e0["clips"])
+    lines += ["", f"Evaluation: held-out prompts {e0['first_prompt']}–{e0['first_prompt'] + n - 1} "
+              f"(prompt i with seed i; colour × shape × motion triples never shown in training; "
+              f"none of them chose anything in these runs), {s['width']} × {s['height']}, "
+              f"{s['frames']} frames, {s['steps']} steps, guidance {s['guidance']}, shift {s['shift']}, "
+              f"attention backend `{e0['backend']}`, scored by the procedural judge "
+              f"(`attnqat eval score`), on {e0['device']}."]
+    cfg0 = None
+    if run_dirs:
+        cfg0 = json.loads((next(iter(run_dirs.values())) / "config.json").read_text())
+        lines += ["", f"Fine-tuning (every run the same but for the student attention): from "
+                  f"`{cfg0['model']}`, the synthetic shapes stream (training split, seed {cfg0['seed']}), "
+                  f"{cfg0['steps']} steps of batch {cfg0['batch_size']}, AdamW lr {cfg0['lr']} "
+                  f"({cfg0['schedule']}, {cfg0['warmup']} warm-up steps), weight decay "
+                  f"{cfg0['weight_decay']}, clipping {cfg0['grad_clip']}, caption dropout "
+                  f"{cfg0['caption_dropout']}, flow shift {cfg0['shift']}, EMA {cfg0['ema']} "
+                  f"(the exported weights), self-attention quantized, VAE and text encoder frozen. "
+                  "Each run is `attnqat finetune train` with:", ""]
+        for r in run_dirs:
+            lines.append(f"- {RUNS[r][2]}: `attnqat finetune train {shlex.join(train_args(args, r))}`")
+    lines += ["", "## Quality", "",
+              "Object-level rates for colour, shape and motion (one- and two-object prompts); clip-level "
+              "rate of clips with everything right; 95 % Wilson intervals in brackets. PSNR and SSIM "
+              "against the base model's BF16 clip of the same prompt and seed.", "",
+              "| configuration | colour | shape | motion | all correct | PSNR vs base BF16 | SSIM |",
+              "|---|---|---|---|---|---|---|"]
+    for c, rec in ev.items():
+        objs = [o for clip in rec["clips"] for o in clip["objects"]]
+        allc = sum(clip["all_correct"] for clip in rec["clips"])
+        sim = rec["similarity_to_base_bf16"]
+        psnr = "–" if sim is None or sim["psnr"] is None else f"{sim['psnr']:.2f} dB"
+        ssim = "–" if sim is None else f"{sim['ssim']:.3f}"
+        lines.append(f"| {CONFIGS[c][2]} | " + " | ".join(_rate(sum(o[a] for o in objs), len(objs))
+                                                        for a in ATTRS)
+                     + f" | {_rate(allc, len(rec['clips']))} | {psnr} | {ssim} |")
+    lines += ["", "## Paired comparisons", "",
+              "All-correct rate of A minus B on the same prompts and seeds; 95 % paired-bootstrap "
+              "interval (10,000 resamples of the prompts); exact McNemar test on the clips only one "
+              "of the two gets right.", "",
+              "| A | B | A − B (points) | 95 % interval | only A right | only B right | McNemar p |",
+              "|---|---|---|---|---|---|---|"]
+    verdicts = {}
+    for a, b in PAIRS:
+        if a in ev and b in ev:
+            pr = paired([c["all_correct"] for c in ev[a]["clips"]], [c["all_correct"] for c in ev[b]["clips"]])
+            verdicts[(a, b)] = pr
+            lines.append(f"| {CONFIGS[a][2]} | {CONFIGS[b][2]} | {100 * pr['diff']:+.1f} | "
+                         f"[{100 * pr['lo']:+.1f}, {100 * pr['hi']:+.1f}] | {pr['only_a']} | "
+                         f"{pr['only_b']} | {pr['p']:.3f} |")
+    lines += ["", "## Against the target", ""]
+    q = verdicts.get(("qat-nvfp4", "base-bf16"))
+    if q is not None:
+        within = -0.05 <= q["lo"] and q["hi"] <= 0.05
+        lines.append(f"- QAT-NVFP4 against base-BF16: {100 * q['diff']:+.1f} points "
+                     f"[{100 * q['lo']:+.1f}, {100 * q['hi']:+.1f}], McNemar p = {q['p']:.3f}: the test "
+                     f"{'does not reject' if q['p'] >= 0.05 else 'rejects'} equality; the interval "
+                     f"{'lies' if within else 'does not lie'} within ±5 points.")
+    q2 = verdicts.get(("qat-nvfp4", "base-nvfp4"))
+    if q2 is not None:
+        lines.append(f"- QAT-NVFP4 against base-NVFP4: {100 * q2['diff']:+.1f} points "
+                     f"[{100 * q2['lo']:+.1f}, {100 * q2['hi']:+.1f}], p = {q2['p']:.3f}.")
+    q3 = verdicts.get(("qat-nvfp4", "control-nvfp4"))
+    if q3 is not None:
+        lines.append(f"- QAT-NVFP4 against the BF16 control with NVFP4 attention (what the extra "
+                     f"training alone gives): {100 * q3['diff']:+.1f} points "
+                     f"[{100 * q3['lo']:+.1f}, {100 * q3['hi']:+.1f}], p = {q3['p']:.3f}.")
+    if run_dirs:
+        curves = figs / "repro_curves.png"
+        plot_runs(list(run_dirs.values()), curves, labels=[RUNS[r][2] for r in run_dirs], smooth=25,
+                  title="fine-tuning runs of the tiny model")
+        lines += ["", "## Training", "", f"![loss and gradient norm of every run]({_rel(curves, args.doc)})", "",
+                  "| run | steps | loss, first 10 % | loss, last 10 % | median gradient norm | max | "
+                  "steps clipped | non-finite |", "|---|---|---|---|---|---|---|---|"]
+        for r, d in run_dirs.items():
+            st = _stability(read_log(d), cfg0["grad_clip"])
+            lines.append(f"| {RUNS[r][2]} | {st['steps']} | {st['loss_first']:.4f} | {st['loss_last']:.4f} | "
+                         f"{st['grad_median']:.3f} | {st['grad_max']:.3f} | {st['clipped']} | "
+                         f"{'yes' if st['nonfinite'] else 'no'} |")
+        if "dropin" in run_dirs and "attnqat" in run_dirs:
+            dropin = figs / "repro_dropin.png"
+            plot_runs([run_dirs["attnqat"], run_dirs["dropin"]], dropin,
+                      labels=[RUNS["attnqat"][2], RUNS["dropin"][2]], smooth=25,
+                      title="Attn-QAT against drop-in FP4 fine-tuning")
+            lines += ["", f"![Attn-QAT against drop-in]({_rel(dropin, args.doc)})"]
+    args.doc.parent.mkdir(parents=True, exist_ok=True)
+    args.doc.write_text("\n".join(lines) + "\n")
+    (args.work / "report.json").write_text(json.dumps(
+        {"date": _now(), "command": command, "pairs": {f"{a} vs {b}": v for (a, b), v in verdicts.items()},
+         "summaries": {c: r["summary"] for c, r in ev.items()}}, indent=1) + "\n")
+    log(f"wrote {args.doc}")
+    return 0
+
+
+def _rel(path: Path, doc: Path) -> str:
+    import os
+
+    return Path(os.path.relpath(path.resolve(), doc.resolve().parent)).as_posix()
+
+
+# ----------------------------------------------------------------------------------------------
+# Ship
+
+
+def stage_ship(args) -> int:
+    src = args.work / "export" / "attnqat"
+    if not (src / "attnqat.json").is_file():
+        log(f"nothing to ship: {src} holds no exported Attn-QAT transformer")
+        return 2
+    record = json.loads((src / "attnqat.json").read_text())
+    report = args.work / "report.json"
+    if report.is_file():
+        rep = json.loads(report.read_text())
+        record["evaluation"] = {"report": str(args.doc), "summaries": rep["summaries"],
+                                "pairs": rep["pairs"], "command": rep["command"]}
+    record["qat_weights_note"] += (f"; the embedded model's Attn-QAT weights, evaluated in "
+                                   f"{args.doc.as_posix()}")
+    dst = args.ship_to
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    (tmp / "attnqat.json").write_text(json.dumps(record, indent=1) + "\n")
+    if dst.exists():
+        shutil.rmtree(dst)
+    tmp.rename(dst)
+    log(f"shipped {src} to {dst}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The repro command with every setting that shapes the numbers spelled out."""
+    a = ["--work", str(args.work), "--runs", args.runs, "--model", str(args.model), "--steps",
+         str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--warmup",
+         str(args.warmup), "--ema", str(args.ema), "--seed", str(args.seed), "--eval-prompts",
+         str(args.eval_prompts), "--eval-offset", str(args.eval_offset), "--eval-batch",
+         str(args.eval_batch), "--eval-backend", args.eval_backend, "--doc", str(args.doc)]
+    return "attnqat repro " + shlex.join(a)
+
+
+def run(args: argparse.Namespace) -> int:
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    bad = [s for s in stages if s not in STAGES] + [r for r in runs if r not in RUNS]
+    if bad:
+        print(f"attnqat repro: unknown stage(s) or run(s) {', '.join(bad)}; stages: "
+              f"{', '.join(STAGES)}; runs: {', '.join(RUNS)}", file=sys.stderr)
+        return 2
+    if args.steps < 1 or args.batch_size < 1 or args.eval_prompts < 1 or args.eval_offset < 0:
+        print("attnqat repro: --steps, --batch-size and --eval-prompts must be >= 1, --eval-offset >= 0",
+              file=sys.stderr)
+        return 2
+    command = command_line(args)
+    for stage in stages:
+        rc = {"train": lambda: stage_train(args, runs), "eval": lambda: stage_eval(args, runs),
+              "report": lambda: stage_report(args, runs, command), "ship": lambda: stage_ship(args)}[stage]()
+        if rc:
+            return rc
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="attnqat repro", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

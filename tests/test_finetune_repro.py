@@ -1,0 +1,60 @@
+"""``attnqat repro`` (attnqat/finetune/repro.py): a CPU smoke run of every stage with two tiny steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from attnqat.finetune import repro as R
+from finetune_data import small_model
+
+
+def test_repro_help_names_the_stages(capsys):
+    from attnqat.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["repro", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--stages" in out and "--eval-offset" in out and "--runs" in out
+
+
+def test_paired_comparison_counts_discordant_clips():
+    a = [True] * 30 + [False] * 10 + [True] * 5
+    b = [True] * 30 + [True] * 10 + [False] * 5
+    pr = R.paired(a, b)
+    assert pr["only_a"] == 5 and pr["only_b"] == 10 and pr["n"] == 45
+    assert pr["diff"] == pytest.approx(-5 / 45) and pr["lo"] < pr["diff"] < pr["hi"]
+    from scipy.stats import binomtest
+
+    assert pr["p"] == pytest.approx(binomtest(5, 15, 0.5).pvalue)
+    same = R.paired([True, False] * 10, [True, False] * 10)
+    assert same["diff"] == 0 and same["p"] == 1.0 and same["lo"] == same["hi"] == 0
+
+
+def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
+    model = small_model(tmp_path / "small-wan")
+    work, doc, ship = tmp_path / "work", tmp_path / "docs" / "repro.md", tmp_path / "qat"
+    args = ["--work", str(work), "--model", str(model), "--runs", "attnqat,bf16,p2off", "--steps", "2",
+            "--batch-size", "2", "--warmup", "0", "--eval-prompts", "3", "--eval-offset", "5",
+            "--eval-batch", "3", "--workers", "0", "--device", "cpu", "--doc", str(doc),
+            "--ship-to", str(ship)]
+    assert R.main([*args, "--stages", "train,eval,report,ship"]) == 0
+    assert sorted(p.name for p in (work / "export").iterdir()) == ["attnqat", "bf16", "p2off"]
+    evals = sorted(p.stem for p in (work / "eval").iterdir())
+    assert evals == sorted(["base-bf16", "base-nvfp4", "base-sage3", "qat-nvfp4", "qat-bf16",
+                            "control-bf16", "control-nvfp4", "p2off-nvfp4"])
+    rec = json.loads((work / "eval" / "qat-nvfp4.json").read_text())
+    assert rec["seeds"] == [5, 6, 7] and len(rec["clips"]) == 3
+    assert rec["weights_record"]["training"]["steps"] == 2
+    assert rec["similarity_to_base_bf16"]["ssim"] <= 1.0
+    text = doc.read_text()
+    assert "| Attn-QAT, NVFP4 attention |" in text and "McNemar" in text and "repro_curves.png" in text
+    assert "attnqat finetune train" in text and "--ablation d_from_o" in text
+    assert (doc.parent / "repro_curves.png").stat().st_size > 10_000
+    side = json.loads((ship / "attnqat.json").read_text())
+    assert side["weights"] == "attnqat-finetuned" and "evaluation" in side
+    # a second call continues: nothing is trained or evaluated again
+    before = (work / "eval" / "qat-nvfp4.json").stat().st_mtime_ns
+    assert R.main([*args, "--stages", "train,eval"]) == 0
+    assert (work / "eval" / "qat-nvfp4.json").stat().st_mtime_ns == before
