@@ -95,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=8,
                         help="DataLoader workers rendering clips; processes scoring clips")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="progress bars of the training runs")
     parser.add_argument("--time-limit", type=float, default=0.0,
                         help="minutes for the train stage (runs stop with a checkpoint and resume "
                              "on the next call; 0: none)")
@@ -126,6 +128,8 @@ def train_args(args, name: str) -> list[str]:
          "--warmup", str(args.warmup), "--schedule", "constant", "--ema", str(args.ema),
          "--seed", str(args.seed), "--workers", str(args.workers), "--device", args.device,
          "--checkpoint-every", str(max(1, args.steps // 4)), "--keep", "1"]
+    if not args.progress:
+        a.append("--no-progress")
     if ablation:
         a += ["--ablation", ablation, "--backend", "torch"]
     return a
