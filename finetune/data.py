@@ -164,15 +164,18 @@ class VideoFolder:
 class SyntheticShapes:
     """The synthetic shapes training stream, endless (module docstring)."""
 
-    def __init__(self, *, frames: int, height: int, width: int, seed: int = 0) -> None:
+    def __init__(self, *, frames: int, height: int, width: int, seed: int = 0,
+                 two_objects: float | None = None) -> None:
         self.frames, self.height, self.width, self.seed = frames, height, width, seed
+        self.weights = None if two_objects is None else (1.0 - two_objects, two_objects)
         self.size = None   # endless
-        self.description = f"synthetic shapes (training split, stream seed {seed})"
+        self.description = (f"synthetic shapes (training split, stream seed {seed}"
+                            + (f", {two_objects:.0%} two-object clips)" if two_objects is not None else ")"))
 
     def load(self, index: int) -> Item:
         from attnqat.synthetic import render, spec_at
 
-        spec = spec_at(self.seed, index, "train")
+        spec = spec_at(self.seed, index, "train", object_weights=self.weights)
         return Item(name=f"synthetic/{self.seed}/{index}", caption=spec.caption,
                     video=render(spec, self.frames, (self.height, self.width)))
 
@@ -238,10 +241,14 @@ class LatentCache:
 
 
 def open_source(data: str, *, frames: int, height: int, width: int, stride: int = 1,
-                seed: int = 0):
-    """The source ``--data`` names: ``synthetic``, a cache folder, a clip folder or a manifest."""
+                seed: int = 0, two_objects: float | None = None):
+    """The source ``--data`` names: ``synthetic``, a cache folder, a clip folder or a manifest
+    (``two_objects``: the synthetic stream's share of two-object clips; None: its own, a half)."""
     if data == "synthetic":
-        return SyntheticShapes(frames=frames, height=height, width=width, seed=seed)
+        return SyntheticShapes(frames=frames, height=height, width=width, seed=seed,
+                               two_objects=two_objects)
+    if two_objects is not None:
+        raise DataError("--two-objects applies to --data synthetic only")
     p = Path(data).expanduser()
     if p.is_dir() and (p / CACHE_MANIFEST).is_file():
         return LatentCache(p)

@@ -80,12 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", default=",".join(RUNS),
                         help=f"the fine-tuning runs to train and evaluate: {', '.join(RUNS)}")
     parser.add_argument("--model", default=str(TINY_MODEL_DIR), help="the base pipeline")
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps of every run")
+    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of every run")
     parser.add_argument("--batch-size", type=int, default=32, help="clips per step")
-    parser.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (constant)")
+    parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (constant)")
     parser.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
     parser.add_argument("--ema", type=float, default=0.995, help="EMA decay of the exported weights (0: live weights)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data stream and the noise")
+    parser.add_argument("--two-objects", type=float, default=0.8,
+                        help="share of two-object clips in the training stream (the base model's "
+                             "last training runs used 0.8)")
     parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts scored")
     parser.add_argument("--eval-offset", type=int, default=100,
                         help="first held-out prompt (0-99 chose the base model's checkpoint)")
@@ -126,7 +129,8 @@ def train_args(args, name: str) -> list[str]:
     a = ["--model", str(args.model), "--data", "synthetic", "--out", str(out), "--attention", attention,
          "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
          "--warmup", str(args.warmup), "--schedule", "constant", "--ema", str(args.ema),
-         "--seed", str(args.seed), "--workers", str(args.workers), "--device", args.device,
+         "--seed", str(args.seed), "--two-objects", str(args.two_objects),
+         "--workers", str(args.workers), "--device", args.device,
          "--checkpoint-every", str(max(1, args.steps // 4)), "--keep", "1"]
     if not args.progress:
         a.append("--no-progress")
@@ -311,7 +315,8 @@ def stage_report(args, runs: list[str], command: str) -> int:
     if run_dirs:
         cfg0 = json.loads((next(iter(run_dirs.values())) / "config.json").read_text())
         lines += ["", f"Fine-tuning (every run the same but for the student attention): from "
-                  f"`{cfg0['model']}`, the synthetic shapes stream (training split, seed {cfg0['seed']}), "
+                  f"`{cfg0['model']}`, the synthetic shapes stream (training split, seed {cfg0['seed']}, "
+                  f"{cfg0.get('two_objects') if cfg0.get('two_objects') is not None else 0.5:.0%} two-object clips), "
                   f"{cfg0['steps']} steps of batch {cfg0['batch_size']}, AdamW lr {cfg0['lr']} "
                   f"({cfg0['schedule']}, {cfg0['warmup']} warm-up steps), weight decay "
                   f"{cfg0['weight_decay']}, clipping {cfg0['grad_clip']}, caption dropout "
@@ -435,7 +440,8 @@ def command_line(args: argparse.Namespace) -> str:
     """The repro command with every setting that shapes the numbers spelled out."""
     a = ["--work", str(args.work), "--runs", args.runs, "--model", str(args.model), "--steps",
          str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--warmup",
-         str(args.warmup), "--ema", str(args.ema), "--seed", str(args.seed), "--eval-prompts",
+         str(args.warmup), "--ema", str(args.ema), "--seed", str(args.seed), "--two-objects",
+         str(args.two_objects), "--eval-prompts",
          str(args.eval_prompts), "--eval-offset", str(args.eval_offset), "--eval-batch",
          str(args.eval_batch), "--eval-backend", args.eval_backend, "--doc", str(args.doc)]
     return "attnqat repro " + shlex.join(a)

@@ -86,6 +86,7 @@ class TrainConfig:
     width: int | None = None
     frames: int | None = None
     stride: int = 1
+    two_objects: float | None = None
     attention: str = "attnqat"
     scope: str = "self"
     backend: str = "auto"
@@ -133,7 +134,7 @@ class TrainConfig:
 
 
 #: settings a resumed run may not change (the run would no longer be one run)
-IDENTITY = ("model", "transformer", "data", "height", "width", "frames", "stride", "attention",
+IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "attention",
             "scope", "ablation", "seed", "sigma_sampling", "shift", "caption_dropout")
 
 
@@ -174,6 +175,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--width", type=int, help="training width, a multiple of 16 [model's]")
     g.add_argument("--frames", type=int, help="frames per clip, 4k+1 [model's]")
     g.add_argument("--stride", type=int, help="take every N-th frame of raw clips [1]")
+    g.add_argument("--two-objects", type=float, metavar="FRAC",
+                   help="synthetic data: share of two-object clips [the stream's: 0.5]")
     g.add_argument("--max-sequence-length", type=int,
                    help="prompt embedding rows (Wan: 512) [model's]")
     g.add_argument("--workers", type=int, help="DataLoader workers decoding clips [2]")
@@ -326,6 +329,8 @@ def _validate(cfg: TrainConfig, world: int) -> None:
         v = getattr(cfg, k)
         if not 0.0 <= v < 1.0 or (k == "caption_dropout" and v > 1.0):
             raise ValueError(f"--{k.replace('_', '-')} must be in [0, 1), got {v!r}")
+    if cfg.two_objects is not None and not 0.0 <= cfg.two_objects <= 1.0:
+        raise ValueError(f"--two-objects must be in [0, 1], got {cfg.two_objects}")
     if cfg.ema and not 0.0 < cfg.ema < 1.0:
         raise ValueError(f"--ema must be in (0, 1) or 0 (off), got {cfg.ema}")
     choices = {"attention": STUDENT_METHODS, "scope": ("self", "all"),
@@ -665,7 +670,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         raise ValueError(f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
                          "or choose a new --out")
     source = open_source(cfg.data, frames=cfg.frames, height=cfg.height, width=cfg.width,
-                         stride=cfg.stride, seed=cfg.seed)
+                         stride=cfg.stride, seed=cfg.seed, two_objects=cfg.two_objects)
     cached = isinstance(source, LatentCache)
     if cached:
         meta = source.meta
