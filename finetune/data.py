@@ -347,13 +347,23 @@ def collate(batch: list[tuple[int, Item]]) -> dict:
     return out
 
 
+def _worker_ignores_stop_signals(_worker_id: int) -> None:
+    """SIGTERM / SIGINT sent to the whole process group (``timeout``, a scheduler, Ctrl-C) must
+    reach the training loop, which saves a checkpoint first, and not kill the workers under it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def loader(source, order: DataOrder, *, start: int, batch: int, rank: int, world: int,
            accum: int = 1, workers: int = 0):
     """Endless micro-batches (:func:`collate`) of one rank from global sample ``start``."""
     ds = RankSamples(source, order, start=start, batch=batch, rank=rank, world=world, accum=accum)
     return iter(torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=collate,
                                             num_workers=workers, prefetch_factor=4 if workers else None,
-                                            persistent_workers=False))
+                                            persistent_workers=False,
+                                            worker_init_fn=_worker_ignores_stop_signals if workers else None))
 
 
 def pad_text(texts: list[torch.Tensor], length: int) -> torch.Tensor:

@@ -151,14 +151,17 @@ def test_kill_9_and_resume_gives_bit_identical_later_losses(model, tmp_path):
 
 
 def test_sigterm_saves_a_checkpoint_and_resume_continues(model, tmp_path):
+    """SIGTERM to the whole process group (as `timeout` or a scheduler sends it), DataLoader
+    workers included: the loop saves a checkpoint and stops."""
     run = tmp_path / "term"
     cmd = [sys.executable, "-m", "attnqat.finetune.train", "--model", str(model), "--out", str(run),
-           *RUN, "--steps", "400", "--batch-size", "2", "--checkpoint-every", "1000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, text=True)
+           *RUN, "--workers", "1", "--steps", "400", "--batch-size", "2", "--checkpoint-every", "1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO, text=True,
+                            start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and not ((run / "log.jsonl").is_file() and max(losses(run) or [0]) >= 3):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert "stopped by SIGTERM" in out and "--resume" in out
