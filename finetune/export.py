@@ -44,18 +44,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="storage dtype (float32 modules stay float32)")
 
 
-def _note(cfg: dict, state: dict, weights: str) -> str:
-    method = cfg["attention"]
+def display_model(path: str | None) -> str | None:
+    """A model path as the note shows it: the embedded tiny model by name, others as given."""
+    from attnqat.tiny import TINY_MODEL_DIR
+
+    if path is None:
+        return None
+    try:
+        if Path(path).resolve() == TINY_MODEL_DIR.resolve():
+            return "the embedded tiny model (assets/tiny-wan)"
+    except OSError:
+        pass
+    return str(path)
+
+
+def note(training: dict) -> str:
+    """The one-line ``qat_weights_note`` of an export's ``training`` record."""
     what = {"attnqat": "Attn-QAT fine-tuned (4-bit attention in training, Attn-QAT backward)",
             "dropin": "fine-tuned with drop-in 4-bit attention (4-bit forward, ordinary backward: "
                       "the ablation, not Attn-QAT)",
             "bf16": "fine-tuned with BF16 attention (the control: no quantization in training, "
-                    "not Attn-QAT)"}[method]
-    if cfg.get("ablation"):
-        what += f", ablation {cfg['ablation']}"
-    return (f"{what}; {state['step']} steps, {state['samples']} samples of {cfg['data']}, from "
-            f"{cfg.get('transformer') or cfg['model']}; {weights} weights; trained by `attnqat "
-            f"finetune train` ({state.get('date', '?')})")
+                    "not Attn-QAT)"}[training["attention"]]
+    if training.get("ablation"):
+        what += f", ablation {training['ablation']}"
+    start = display_model(training.get("start_weights")) or display_model(training["base_model"])
+    return (f"{what}; {training['steps']} steps, {training['samples']} samples of "
+            f"{training['data']}, from {start}; {training['weights']} weights; trained by "
+            f"`attnqat finetune train` ({training.get('date') or '?'})")
 
 
 def export(run: str | Path, out: str | Path, *, weights: str = "auto",
@@ -84,19 +99,17 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        record = {
-            "kind": "attnqat-transformer", "weights": WEIGHTS_KIND[cfg["attention"]],
-            "qat_weights_note": _note(cfg, state, weights),
-            "training": {"attention": cfg["attention"], "ablation": cfg.get("ablation"),
+        training = {"attention": cfg["attention"], "ablation": cfg.get("ablation"),
                          "scope": cfg["scope"], "steps": state["step"], "samples": state["samples"],
                          "data": cfg["data"], "base_model": cfg["model"],
                          "start_weights": cfg.get("transformer"), "recipe": cfg.get("recipe"),
                          "lr": cfg["lr"], "schedule": cfg["schedule"],
                          "batch": cfg["batch_size"] * cfg["grad_accum"] * state.get("world", 1),
                          "final_loss": state.get("loss"), "date": state.get("date"),
-                         "weights": weights, "checkpoint": str(folder)},
-            "exported": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
+                         "weights": weights, "checkpoint": str(folder)}
+        record = {"kind": "attnqat-transformer", "weights": WEIGHTS_KIND[cfg["attention"]],
+                  "qat_weights_note": note(training), "training": training,
+                  "exported": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         (tmp / "attnqat.json").write_text(json.dumps(record, indent=1) + "\n")
         umask = os.umask(0)
         os.umask(umask)
@@ -121,4 +134,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["WEIGHTS_KIND", "add_arguments", "export", "run"]
+__all__ = ["WEIGHTS_KIND", "add_arguments", "display_model", "export", "note", "run"]

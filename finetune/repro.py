@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="minutes for the train stage (runs stop with a checkpoint and resume "
                              "on the next call; 0: none)")
     parser.add_argument("--doc", type=Path, default=Path("docs/repro.md"), help="report to write")
+    parser.add_argument("--notes", type=Path, default=None,
+                        help="a Markdown file the report includes after its header (how the runs "
+                             "were executed, what was tried before, the interpretation)")
     parser.add_argument("--figures", type=Path, default=None,
                         help="folder of the report's PNG curves (default: beside --doc)")
     parser.add_argument("--ship-to", type=Path, default=TINY_QAT_DIR,
@@ -126,7 +129,7 @@ def train_args(args, name: str) -> list[str]:
     """The ``attnqat finetune train`` arguments of run ``name``."""
     attention, ablation, _ = RUNS[name]
     out = args.work / "runs" / name
-    a = ["--model", str(args.model), "--data", "synthetic", "--out", str(out), "--attention", attention,
+    a = ["--model", _shown(args.model), "--data", "synthetic", "--out", _shown(out), "--attention", attention,
          "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
          "--warmup", str(args.warmup), "--schedule", "constant", "--ema", str(args.ema),
          "--seed", str(args.seed), "--two-objects", str(args.two_objects),
@@ -306,16 +309,18 @@ def stage_report(args, runs: list[str], command: str) -> int:
     s = e0["settings"]
     n = len(e0["clips"])
     lines += ["", f"Evaluation: held-out prompts {e0['first_prompt']}–{e0['first_prompt'] + n - 1} "
-              f"(prompt i with seed i; colour × shape × motion triples never shown in training; "
-              f"none of them chose anything in these runs), {s['width']} × {s['height']}, "
+              f"(prompt i with seed i; colour × shape × motion triples never shown in training), "
+              f"{s['width']} × {s['height']}, "
               f"{s['frames']} frames, {s['steps']} steps, guidance {s['guidance']}, shift {s['shift']}, "
               f"attention backend `{e0['backend']}`, scored by the procedural judge "
               f"(`attnqat eval score`), on {e0['device']}."]
+    if args.notes is not None:
+        lines += ["", args.notes.read_text().strip()]
     cfg0 = None
     if run_dirs:
         cfg0 = json.loads((next(iter(run_dirs.values())) / "config.json").read_text())
         lines += ["", f"Fine-tuning (every run the same but for the student attention): from "
-                  f"`{cfg0['model']}`, the synthetic shapes stream (training split, seed {cfg0['seed']}, "
+                  f"`{_shown(cfg0['model'])}`, the synthetic shapes stream (training split, seed {cfg0['seed']}, "
                   f"{cfg0.get('two_objects') if cfg0.get('two_objects') is not None else 0.5:.0%} two-object clips), "
                   f"{cfg0['steps']} steps of batch {cfg0['batch_size']}, AdamW lr {cfg0['lr']} "
                   f"({cfg0['schedule']}, {cfg0['warmup']} warm-up steps), weight decay "
@@ -419,8 +424,10 @@ def stage_ship(args) -> int:
         rep = json.loads(report.read_text())
         record["evaluation"] = {"report": str(args.doc), "summaries": rep["summaries"],
                                 "pairs": rep["pairs"], "command": rep["command"]}
-    record["qat_weights_note"] += (f"; the embedded model's Attn-QAT weights, evaluated in "
-                                   f"{args.doc.as_posix()}")
+    from .export import note
+
+    record["qat_weights_note"] = (note(record["training"]) + "; the embedded model's Attn-QAT "
+                                  f"weights, evaluated in {_shown(args.doc)}")
     dst = args.ship_to
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -436,14 +443,25 @@ def stage_ship(args) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+def _shown(path) -> str:
+    """A path relative to the current folder when it lies inside it (as a user would type it)."""
+    import os
+
+    p = Path(path).resolve()
+    try:
+        return Path(os.path.relpath(p)).as_posix() if p.is_relative_to(Path.cwd()) else str(path)
+    except ValueError:
+        return str(path)
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The repro command with every setting that shapes the numbers spelled out."""
-    a = ["--work", str(args.work), "--runs", args.runs, "--model", str(args.model), "--steps",
+    a = ["--work", _shown(args.work), "--runs", args.runs, "--model", _shown(args.model), "--steps",
          str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--warmup",
          str(args.warmup), "--ema", str(args.ema), "--seed", str(args.seed), "--two-objects",
          str(args.two_objects), "--eval-prompts",
          str(args.eval_prompts), "--eval-offset", str(args.eval_offset), "--eval-batch",
-         str(args.eval_batch), "--eval-backend", args.eval_backend, "--doc", str(args.doc)]
+         str(args.eval_batch), "--eval-backend", args.eval_backend, "--doc", _shown(args.doc)]
     return "attnqat repro " + shlex.join(a)
 
 
