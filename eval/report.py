@@ -2,12 +2,15 @@
 
 Writes into the output folder:
 
-* ``report.md`` and ``report.html`` — the same content: declared settings, raters and their check
-  accuracy, the exclusion applied, and per method pair the headline table (overall and per
-  criterion) with intervals, sign test, equivalence test, position bias and agreement;
+* ``report.md`` and ``report.html`` — the same content: declared settings, warnings, raters with
+  their check accuracy, view times and fast-voter flags, the exclusions applied, and per method
+  pair the headline table (overall and per criterion) with intervals, sign test, the declared
+  margin test (equivalence or non-inferiority, with the interval that decides it, or "not enough
+  data"), position bias and agreement; Δ and its intervals in percentage points;
 * ``wtl.png`` and ``wtl.svg`` — stacked win/tie/lose bars;
 * ``votes.csv`` and ``votes.json`` — every raw vote (practice and checks included, with their
-  kind, the displayed order and both clicked and resolved answers);
+  kind, the displayed order, both clicked and resolved answers, view time, "both are bad" and
+  comment);
 * ``results.json`` — the full analysis.
 """
 

@@ -261,13 +261,13 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
     }
 
 
-def progress_tables(session: Session, study_id: int, config: StudyConfig | None = None
+def progress_tables(session: Session, study_id: int, config: StudyConfig
                     ) -> dict[str, list[dict]]:
     """Admin progress: per rater (started, done/total, checks, view times, status), per item
     (assigned, voted, excluded) and the problem reports."""
     votes = load_votes(session, study_id)
     checks = rater_checks(votes)
-    times = _rater_times(votes, config.fast_vote_margin if config else 3.0)
+    times = _rater_times(votes, config.fast_vote_margin)
     raters = []
     for rater in session.scalars(select(Rater).where(Rater.study_id == study_id).order_by(Rater.id)):
         rows = session.execute(

@@ -426,9 +426,11 @@ def run(args: argparse.Namespace) -> int:
     password = args.admin_password or os.environ.get("ATTNQAT_ADMIN_PASSWORD")
     try:
         for option, value in (("--release-after", args.release_after),
-                              ("--min-view", args.min_view), ("--load-timeout", args.load_timeout)):
+                              ("--min-view", args.min_view)):
             if value is not None and value < 0:
                 raise ValueError(f"{option} must be 0 or positive")
+        if args.load_timeout <= 0:
+            raise ValueError("--load-timeout must be positive")
         server = open_study(args.study, args.db, args.name, password,
                             release_after=args.release_after, min_view=args.min_view,
                             load_timeout=args.load_timeout)

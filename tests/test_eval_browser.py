@@ -85,6 +85,7 @@ def test_rater_sees_prompt_and_one_blind_pair_locked_until_played(runs, chromium
         page.on("request", lambda req: requested.append(req.url))
         response = page.goto(f"{server.url}/r/{token}")
         raw_html = response.text()
+        page.wait_for_selector("#instructions:not([hidden])")  # the study's state has arrived
         assert page.inner_text("#practice-line") == "The first 2 pairs are practice and are not counted."
         page.get_by_role("button", name="Start").click()
         page.wait_for_selector("#task:not([hidden])")
@@ -206,11 +207,13 @@ def test_a_pair_that_does_not_load_can_be_reported_and_skipped(runs, chromium):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_phone_layout_and_keyboard_answers(runs, chromium):
-    study, token = build(runs, "phone", "--min-view", "0")
+    study, token = build(runs, "phone", "--min-view", "0", "--practice", "1")
     with LocalServer(study) as server:
         page = chromium.new_page(viewport={"width": 390, "height": 844}, device_scale_factor=2)
         page.set_default_timeout(30_000)
         page.goto(f"{server.url}/r/{token}")
+        page.wait_for_selector("#instructions:not([hidden])")
+        assert page.inner_text("#practice-line") == "The first pair is practice and is not counted."
         page.get_by_role("button", name="Start").click()
         page.wait_for_selector("#task:not([hidden])")
         page.wait_for_function("() => document.body.dataset.locked === 'no'")
@@ -240,7 +243,7 @@ def test_phone_layout_and_keyboard_answers(runs, chromium):
         page.click("body", position={"x": 5, "y": 5})
         page.keyboard.press("Enter")
         page.wait_for_function("() => document.getElementById('banner').textContent"
-                               ".startsWith('Practice 2 of 2')")
+                               ".startsWith('Pair 1 of')")
     (row,) = db(study, "SELECT both_bad, overall, visual_quality_side, motion_side, "
                        "text_alignment_side, comment, view_seconds FROM votes")
     assert row[:5] == (1, "tie", "tie", "left", "right")

@@ -230,6 +230,16 @@ def test_cli_build_and_its_errors(generated, tmp_path, capsys):
     assert "not a folder" in capsys.readouterr().err
     assert cli_main(["eval", "build", str(runs)]) == 2
     assert "--out" in capsys.readouterr().err
+    assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "q"), "--qp", "60"]) == 2
+    assert "--qp must be in 0" in capsys.readouterr().err
+    assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "q"), "--min-view",
+                     "-1"]) == 2
+    assert "--min-view must be 0" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+    assert cli_main(["eval", "serve", "--study", str(out), "--load-timeout", "0"]) == 2
+    assert "--load-timeout must be positive" in capsys.readouterr().err
+    assert cli_main(["eval", "serve", "--study", str(tmp_path)]) == 2
+    assert "no media/ folder" in capsys.readouterr().err
 
 
 def test_every_build_option_has_help():
