@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .media import MediaError
 from .sources import InputError, load_sources, methods_of, read_prompts, sample_prompts
-from .study import TESTS, StudyConfig, build_study, parse_pairs
+from .study import StudyConfig, add_margin_arguments, build_study, parse_pairs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,21 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generation folders or CSV manifests used only for check and "
                              "practice items (their prompts must not be in the study); if "
                              "omitted, that many prompts of the inputs are set aside for them")
-    parser.add_argument("--equivalence-margin", "--margin", type=float, default=0.1,
-                        help="declared margin δ on the net preference Δ = win share − lose share "
-                             "(0.1 = 10 percentage points)")
-    parser.add_argument("--test", choices=TESTS, default="equivalence",
-                        help="declared claim: equivalence ('as good as': −δ < Δ < δ, TOST) or "
-                             "non-inferiority ('not worse than': Δ > −δ)")
-    parser.add_argument("--non-inferiority", dest="test", action="store_const",
-                        const="non-inferiority", default=argparse.SUPPRESS,
-                        help="short for --test non-inferiority")
-    parser.add_argument("--alpha", type=float, default=0.05,
-                        help="significance level of the margin test (decided by the 1 − 2α "
-                             "interval)")
-    parser.add_argument("--min-prompts", type=int, default=10,
-                        help="fewer prompts with votes than this give 'not enough data' instead "
-                             "of a verdict (plan the size with `attnqat eval plan`)")
+    add_margin_arguments(parser)  # declared here, before any vote
     parser.add_argument("--min-check-accuracy", type=float, default=0.7,
                         help="exclusion rule: raters below this check-item accuracy are excluded "
                              "before the headline numbers")

@@ -33,7 +33,7 @@ from pathlib import Path
 from .results import QUESTIONS, VoteRecord, analyze
 from .sources import InputError
 from .storage import ITEM_KINDS
-from .study import TESTS, StudyConfig, parse_pairs
+from .study import StudyConfig, add_margin_arguments, parse_pairs
 
 ANSWERS = {"a": "a", "win": "a", "w": "a", "b": "b", "lose": "b", "loss": "b", "l": "b",
            "tie": "tie", "t": "tie", "same": "tie", "draw": "tie",
@@ -152,16 +152,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that pair)")
     parser.add_argument("--name", default=None,
                         help="name shown in the report; if omitted, the CSV file's stem")
-    parser.add_argument("--equivalence-margin", "--margin", type=float, default=0.1,
-                        help="margin δ on Δ = win share − lose share (0.1 = 10 percentage points)")
-    parser.add_argument("--test", choices=TESTS, default="equivalence",
-                        help="equivalence (TOST) or non-inferiority")
-    parser.add_argument("--non-inferiority", dest="test", action="store_const",
-                        const="non-inferiority", default=argparse.SUPPRESS,
-                        help="short for --test non-inferiority")
-    parser.add_argument("--alpha", type=float, default=0.05, help="significance level")
-    parser.add_argument("--min-prompts", type=int, default=10,
-                        help="fewer prompts than this give 'not enough data'")
+    add_margin_arguments(parser)
     parser.add_argument("--min-check-accuracy", type=float, default=0.7,
                         help="exclusion rule: raters below this check accuracy are excluded")
     parser.add_argument("--min-checks", type=int, default=1,

@@ -27,8 +27,7 @@ import numpy as np
 from scipy import stats as _st
 
 from . import stats
-
-TESTS = ("equivalence", "non-inferiority")
+from .study import TESTS, add_margin_arguments
 
 
 def vote_sd(ties: float, delta: float = 0.0) -> float:
@@ -128,14 +127,7 @@ def make_plan(margin: float, ties: float, delta: float = 0.0, raters: int = 1, i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--margin", type=float, default=0.1,
-                        help="margin δ on Δ = win share − lose share (0.1 = 10 percentage points)")
-    parser.add_argument("--test", choices=TESTS, default="equivalence",
-                        help="equivalence (TOST, −δ < Δ < δ) or non-inferiority (Δ > −δ)")
-    parser.add_argument("--non-inferiority", dest="test", action="store_const",
-                        const="non-inferiority", default=argparse.SUPPRESS,
-                        help="short for --test non-inferiority")
-    parser.add_argument("--alpha", type=float, default=0.05, help="significance level")
+    add_margin_arguments(parser)
     parser.add_argument("--power", type=float, default=0.8, help="power to plan for")
     parser.add_argument("--ties", type=float, default=0.65,
                         help="expected share of ties (the paper's study: 64 of 99)")
@@ -149,8 +141,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sd", type=float, default=None,
                         help="standard deviation of per-prompt mean scores, e.g. from a pilot "
                              "(replaces --ties, --raters-per-prompt and --icc for the power)")
-    parser.add_argument("--min-prompts", type=int, default=10,
-                        help="the study's minimum prompts for a verdict")
     parser.add_argument("--prompts", type=int, default=None,
                         help="also give the power of a study with this many prompts")
     parser.add_argument("--simulate", type=int, default=0, metavar="N",
@@ -164,8 +154,10 @@ def _fail(message: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not 0 < args.margin <= 1:
+    if not 0 < args.equivalence_margin <= 1:
         return _fail("--margin must be in (0, 1]")
+    if args.min_prompts < 2:
+        return _fail("--min-prompts must be at least 2")
     if not 0 < args.alpha < 0.5:
         return _fail("--alpha must be in (0, 0.5)")
     if not 0 < args.power < 1:
@@ -177,12 +169,12 @@ def run(args: argparse.Namespace) -> int:
     if args.simulate < 0:
         return _fail("--simulate must be 0 or positive")
     try:
-        plan = make_plan(args.margin, args.ties, args.delta, args.raters_per_prompt, args.icc,
+        plan = make_plan(args.equivalence_margin, args.ties, args.delta, args.raters_per_prompt, args.icc,
                          args.alpha, args.test, args.power, args.min_prompts, args.sd)
     except ValueError as exc:
         return _fail(str(exc))
-    claim = (f"−{args.margin:g} < Δ < {args.margin:g}" if args.test == "equivalence"
-             else f"Δ > −{args.margin:g}")
+    claim = (f"−{args.equivalence_margin:g} < Δ < {args.equivalence_margin:g}" if args.test == "equivalence"
+             else f"Δ > −{args.equivalence_margin:g}")
     print(f"{args.test} test of {claim} at α = {args.alpha:g} on per-prompt mean scores")
     if args.sd is None:
         print(f"assumed: {args.ties:.0%} ties, true Δ = {args.delta:+g}, "
@@ -196,12 +188,12 @@ def run(args: argparse.Namespace) -> int:
     rows = sorted({n for n in (plan.prompts, args.prompts, 20, 50, 100, 200, 500) if n})
     print("prompts  power")
     for n in rows:
-        print(f"{n:7d}  {power(n, args.margin, plan.sd_prompt, args.alpha, args.delta, args.test):.3f}")
+        print(f"{n:7d}  {power(n, args.equivalence_margin, plan.sd_prompt, args.alpha, args.delta, args.test):.3f}")
     if args.simulate and (plan.prompts or args.prompts):
         n = args.prompts or plan.prompts
         if args.sd is not None:
             print("(the simulation draws votes from --ties/--raters-per-prompt/--icc, not --sd)")
-        sim = simulate_power(n, args.margin, args.ties, args.delta, args.raters_per_prompt,
+        sim = simulate_power(n, args.equivalence_margin, args.ties, args.delta, args.raters_per_prompt,
                              args.icc, args.alpha, args.test, args.min_prompts, args.simulate,
                              args.seed)
         print(f"simulated power at {n} prompts ({args.simulate} studies): {sim:.3f}")

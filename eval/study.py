@@ -129,6 +129,27 @@ class StudyConfig:
         return cls(**{k: v for k, v in d.items() if k in known})
 
 
+def add_margin_arguments(parser) -> None:  # noqa: ANN001 - argparse.ArgumentParser
+    """The options of the declared margin test, shared by build, plan and import."""
+    import argparse
+
+    parser.add_argument("--margin", "--equivalence-margin", dest="equivalence_margin",
+                        type=float, default=0.1, metavar="DELTA",
+                        help="margin δ on the net preference Δ = win share − lose share (0.1 = 10 "
+                             "percentage points)")
+    parser.add_argument("--test", choices=TESTS, default="equivalence",
+                        help="the claim: equivalence ('as good as': −δ < Δ < δ, TOST) or "
+                             "non-inferiority ('not worse than': Δ > −δ)")
+    parser.add_argument("--non-inferiority", dest="test", action="store_const",
+                        const="non-inferiority", default=argparse.SUPPRESS,
+                        help="short for --test non-inferiority")
+    parser.add_argument("--alpha", type=float, default=0.05,
+                        help="significance level (the test is decided by the 1 − 2α interval)")
+    parser.add_argument("--min-prompts", type=int, default=10,
+                        help="fewer prompts with votes than this give 'not enough data' instead "
+                             "of a verdict")
+
+
 def parse_pairs(spec: str | None, methods: Sequence[str], reference: str) -> list[tuple[str, str]]:
     """Method pairs from ``"a:b,c:b"``; by default every method against ``reference``.
 
