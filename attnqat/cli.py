@@ -55,6 +55,10 @@ GROUPS: dict[str, tuple[str, list[Command]]] = {
         Command("build", "attnqat.eval.build", "build a blind study from generated clips"),
         Command("serve", "attnqat.eval.serve", "serve the rater web app for a study"),
         Command("report", "attnqat.eval.report", "statistics, plots and exports of a study's votes"),
+        Command("plan", "attnqat.eval.plan",
+                "prompts a study needs for its equivalence / non-inferiority test (power)"),
+        Command("import", "attnqat.eval.importer",
+                "analyse votes collected elsewhere (CSV, e.g. published counts) like a study's"),
         Command("score", "attnqat.eval.procedural",
                 "score clips of the synthetic shapes benchmark against their captions (colour, "
                 "shape, motion, temporal consistency, cleanliness); --validate measures the scorer"),

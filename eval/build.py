@@ -4,7 +4,7 @@ Two uses:
 
 * ``attnqat eval build OUTPUTS… --out STUDY`` — items from ``attnqat generate`` folders (searched
   recursively for ``record.json``) or CSV manifests (``prompt,seed,method,path``), opaque
-  re-encoded media, the database, rater invites (see :mod:`attnqat.eval.study`);
+  side-by-side media, the database, rater invites (see :mod:`attnqat.eval.study`);
 * ``attnqat eval build --sample N --write-prompts FILE [--prompt-file LIST]`` — draw N prompts
   reproducibly (``--seed``) from a prompt list (default: the project's ``assets/prompts.txt``) to
   feed to generation.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .media import MediaError
 from .sources import InputError, load_sources, methods_of, read_prompts, sample_prompts
-from .study import StudyConfig, build_study, parse_pairs
+from .study import StudyConfig, add_margin_arguments, build_study, parse_pairs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,15 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--items-per-rater", type=int, default=0,
                         help="main items per rater queue (0: every item that still needs ratings)")
     parser.add_argument("--check-fraction", type=float, default=0.1,
-                        help="check items as a share of main items (identical pairs expecting a "
-                             "tie, degraded pairs expecting the clean side); 0 disables")
+                        help="check items as a share of main items (at least 2; identical pairs "
+                             "expecting a tie, degraded pairs expecting the clean side); 0 "
+                             "disables")
     parser.add_argument("--practice", type=int, default=2,
                         help="practice items every rater does first (never counted)")
-    parser.add_argument("--equivalence-margin", type=float, default=0.1,
-                        help="declared TOST margin δ on the net preference Δ = win share − lose "
-                             "share: 'as good as' means −δ < Δ < δ")
-    parser.add_argument("--alpha", type=float, default=0.05,
-                        help="significance level of the equivalence test")
+    parser.add_argument("--check-inputs", nargs="+", type=Path, default=None, metavar="INPUT",
+                        help="generation folders or CSV manifests used only for check and "
+                             "practice items (their prompts must not be in the study); if "
+                             "omitted, that many prompts of the inputs are set aside for them")
+    add_margin_arguments(parser)  # declared here, before any vote
     parser.add_argument("--min-check-accuracy", type=float, default=0.7,
                         help="exclusion rule: raters below this check-item accuracy are excluded "
                              "before the headline numbers")
@@ -66,10 +67,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bootstrap resamples (of prompts) for the report's intervals")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed for item sampling, check items, prompt sampling and the bootstrap")
+    parser.add_argument("--release-after", type=float, default=120.0, metavar="MINUTES",
+                        help="give the open items of a rater inactive this long back to the pool "
+                             "(0: never); a rater who returns gets back what nobody took")
+    parser.add_argument("--min-view", type=float, default=1.0, metavar="PLAYS",
+                        help="the server refuses a vote until the pair has been on screen this "
+                             "many times its length (0: no minimum)")
+    parser.add_argument("--fast-vote-margin", type=float, default=3.0, metavar="SECONDS",
+                        help="a vote less than this many seconds after one play-through is fast; "
+                             "raters with mostly fast votes are flagged in the report")
     parser.add_argument("--raters", type=int, default=0,
                         help="rater invites to create now (more can be added in the admin view)")
-    parser.add_argument("--crf", type=int, default=18,
-                        help="x264 quality of the re-encoded clips (same for every clip)")
+    parser.add_argument("--qp", type=int, default=18,
+                        help="x264 quantizer of the served videos (0 lossless … 51), the same for "
+                             "every pair; every frame is then padded to one size")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="encodes to run at once (default: the number of CPUs)")
     parser.add_argument("--prompt-file", type=Path, default=None,
                         help="prompt list, one per line (e.g. VBench all_dimension.txt); if "
                              "omitted, --write-prompts uses the project's assets/prompts.txt")
@@ -97,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         if args.out is None:
             return _fail("--out STUDY_FOLDER is required")
         clips = load_sources(args.inputs)
+        check_clips = load_sources(args.check_inputs) if args.check_inputs else None
         if args.sample is not None:
             prompts = list(dict.fromkeys(c.prompt for c in clips))
             if args.prompt_file is not None:
@@ -109,16 +123,25 @@ def run(args: argparse.Namespace) -> int:
             name=args.name or args.out.resolve().name, pairs=pairs,
             ratings_per_item=args.ratings_per_item, items_per_rater=args.items_per_rater,
             check_fraction=args.check_fraction, practice_items=args.practice,
-            equivalence_margin=args.equivalence_margin, alpha=args.alpha,
-            min_check_accuracy=args.min_check_accuracy, min_checks=args.min_checks,
-            n_boot=args.n_boot, seed=args.seed)
+            equivalence_margin=args.equivalence_margin, test=args.test, alpha=args.alpha,
+            min_prompts=args.min_prompts, min_check_accuracy=args.min_check_accuracy,
+            min_checks=args.min_checks, n_boot=args.n_boot, seed=args.seed,
+            release_after_minutes=args.release_after, min_view_factor=args.min_view,
+            fast_vote_margin=args.fast_vote_margin)
+        if args.raters < 0:
+            return _fail("--raters must be 0 or positive")
+        if not 0 <= args.qp <= 51:
+            return _fail("--qp must be in 0 … 51")
         result = build_study(clips, args.out, config, db_url=args.db, n_raters=args.raters,
-                             crf=args.crf, progress=not args.quiet)
+                             qp=args.qp, check_clips=check_clips, jobs=args.jobs,
+                             progress=not args.quiet)
     except (InputError, MediaError) as exc:
         return _fail(str(exc))
     counts = ", ".join(f"{n} {kind}" for kind, n in sorted(result.counts.items()))
-    print(f"study {result.name!r} in {result.out_dir}: {counts} items; {result.n_clips} clips "
-          f"of {result.clip_size} bytes each")
+    st = result.settings
+    print(f"study {result.name!r} in {result.out_dir}: {counts} items; {result.n_videos} "
+          f"side-by-side videos ({st.pair_size[0]}x{st.pair_size[1]}, {st.frames} frames at "
+          f"{st.fps:g} fps) of {result.video_size} bytes each")
     print(f"database: {result.db_url}")
     if result.invites:
         print(f"{len(result.invites)} rater invites in {result.out_dir / 'invites.csv'} "

@@ -17,8 +17,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import imageio_ffmpeg
 import numpy as np
+
+from attnqat.video import write_mp4
 
 DEMO_NOISE = {"bf16": 0.0, "attnqat": 6.0, "nvfp4": 18.0, "sage3": 10.0}
 
@@ -45,18 +46,6 @@ def synthetic_frames(index: int, n_frames: int = 17, size: int = 64, noise: floa
     return np.stack(frames)
 
 
-def write_clip(path: str | Path, frames: np.ndarray, fps: float = 8.0) -> None:
-    """Write frames to an H.264 mp4 with imageio-ffmpeg."""
-    h, w = frames.shape[1:3]
-    writer = imageio_ffmpeg.write_frames(str(path), (w, h), fps=fps, codec="libx264",
-                                         macro_block_size=1, quality=None,
-                                         output_params=["-crf", "16"], ffmpeg_log_level="error")
-    writer.send(None)
-    for frame in frames:
-        writer.send(np.ascontiguousarray(frame))
-    writer.close()
-
-
 def write_demo_outputs(root: str | Path, prompts: Sequence[str],
                        methods: Sequence[str] = ("bf16", "attnqat"), seed: int = 0,
                        n_frames: int = 17, size: int = 64) -> list[Path]:
@@ -72,7 +61,7 @@ def write_demo_outputs(root: str | Path, prompts: Sequence[str],
         for m, method in enumerate(methods):
             frames = synthetic_frames(i, n_frames, size, DEMO_NOISE.get(method, 8.0 + 4 * m),
                                       seed=1000 * i + m)
-            write_clip(folder / f"{method}.mp4", frames)
+            write_mp4(frames, folder / f"{method}.mp4", fps=8, crf=16)
             record["methods"][method] = {"video": f"{method}.mp4", "timings": {},
                                          "peak_memory_bytes": None, "psnr": None, "ssim": None}
         (folder / "record.json").write_text(json.dumps(record, indent=2), encoding="utf-8")
@@ -92,8 +81,10 @@ class LocalServer:
 
     def __init__(self, study_dir: str | Path, admin_password: str = "admin-secret",
                  port: int | None = None, log_path: str | Path | None = None,
-                 db_url: str | None = None, name: str | None = None) -> None:
+                 db_url: str | None = None, name: str | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
         self.study_dir = Path(study_dir)
+        self.extra_args = list(extra_args)
         self.db_url = db_url
         self.name = name
         self.admin_password = admin_password
@@ -114,6 +105,7 @@ class LocalServer:
                    str(self.study_dir), "--host", "127.0.0.1", "--port", str(self.port)]
         command += ["--db", self.db_url] if self.db_url else []
         command += ["--name", self.name] if self.name else []
+        command += self.extra_args
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout

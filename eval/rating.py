@@ -1,19 +1,31 @@
-"""The rater flow, independent of HTTP: invites, queues, the current item, votes.
+"""The rater flow, independent of HTTP: invites, queues, the current item, votes, releases.
 
-A rater is known only by an invite token (random, 128 bits); unknown tokens are refused. After the
-instructions the rater's queue is fixed in one transaction:
+A rater is known only by an invite token (random, 128 bits); unknown and revoked tokens are
+refused. After the instructions the rater's queue is fixed in one transaction:
 
 * the practice items first (every rater, never counted);
-* main items that still need ratings (fewer assignments than ``ratings_per_item``), least-assigned
-  first, at most ``items_per_rater`` of them (0: all), never one item twice (a unique constraint);
+* main items that still need ratings (fewer active assignments than ``ratings_per_item``),
+  least-assigned first, at most ``items_per_rater`` of them (0: all), never one item twice (a
+  unique constraint), never an item the organiser excluded;
 * check items in proportion (the study's share of check items, at least one), both kinds;
 * shuffled, and counterbalanced: within the rater's main items and within their check items, half
   show A on the left (±1); which half favours items whose earlier raters saw A more on the right.
 
-The current item is the first unvoted assignment in queue order, so a rater who closes the browser
-resumes exactly where they were. A vote names its assignment token; it is refused when the
-assignment belongs to someone else, was never shown, or already has a vote (one vote per
-assignment, enforced by the database too).
+The current item is the first open assignment in queue order, so a rater who closes the browser
+resumes exactly where they were. An assignment stops being open when it gets its vote, or when it
+is *released* without one:
+
+* ``inactive`` — its rater did nothing for ``release_after_minutes`` (checked whenever another
+  rater starts, and in the admin view): the item goes back to the pool. If the rater comes back,
+  they get back those of their items that nobody else took;
+* ``broken`` — the rater reported that the pair does not load (a :class:`Report` is stored);
+* ``released``, ``revoked``, ``excluded`` — organiser actions (release a rater's queue, withdraw
+  an invite, exclude an item).
+
+A vote names its assignment token; it is refused when the assignment belongs to someone else, was
+never shown, is no longer open, already has a vote (one vote per assignment, enforced by the
+database too), or comes before the pair could have played through (``min_view_factor`` times its
+duration after it was first shown).
 """
 
 from __future__ import annotations
@@ -22,13 +34,35 @@ import random
 import secrets
 import threading
 from collections.abc import Mapping
+from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import case, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from .storage import CRITERIA, SIDES, Assignment, Item, Rater, Study, Vote, utcnow
+from .storage import (
+    BOTH_BAD,
+    CRITERIA,
+    SIDES,
+    Assignment,
+    Clip,
+    Item,
+    Rater,
+    Report,
+    Study,
+    Video,
+    Vote,
+    utcnow,
+)
+
+#: Most invites one request (admin form, admin API) may create.
+MAX_INVITES = 500
+#: Longest comment kept with a vote or a problem report.
+MAX_COMMENT = 2000
+#: Why a rater may report a pair.
+REPORT_REASONS: tuple[str, ...] = ("not_loading", "other")
 
 
 class RatingError(Exception):
@@ -61,6 +95,20 @@ class AlreadyVoted(RatingError):
     status = 409
 
 
+class Released(RatingError):
+    status = 409
+
+
+class TooEarly(RatingError):
+    """A vote before the pair could have played through (HTTP 425 Too Early)."""
+
+    status = 425
+
+    def __init__(self, message: str, wait_seconds: float) -> None:
+        super().__init__(message)
+        self.wait_seconds = wait_seconds
+
+
 class InvalidVote(RatingError):
     status = 422
 
@@ -85,23 +133,62 @@ def add_raters(Session: sessionmaker, study_id: int, n: int, prefix: str = "rate
     return out
 
 
-def get_rater(session: Session, study_id: int, token: str) -> Rater:
-    """The rater with this invite token in this study, or :class:`UnknownRater`."""
+def get_rater(session: Session, study_id: int, token: str, *, touch: bool = False) -> Rater:
+    """The rater with this invite token in this study, or :class:`UnknownRater` (also for a
+    withdrawn invite). ``touch`` records the request as the rater's latest activity."""
     rater = session.scalar(select(Rater).where(Rater.token == token, Rater.study_id == study_id))
     if rater is None:
         raise UnknownRater("unknown invite token")
+    if rater.revoked_at is not None:
+        raise UnknownRater("this invite has been withdrawn by the study organiser")
+    if touch:
+        rater.last_seen_at = utcnow()
     return rater
 
 
+def _open(query):  # noqa: ANN001, ANN202 - a Select on Assignment
+    """Restrict a query on assignments to open ones (no vote, not released)."""
+    return (query.outerjoin(Vote, Vote.assignment_id == Assignment.id)
+            .where(Vote.id.is_(None), Assignment.released_at.is_(None)))
+
+
 def _assignment_counts(session: Session, study_id: int) -> dict[int, tuple[int, int]]:
-    """item id -> (assignments, assignments with A on the left)."""
+    """item id -> (active assignments, active assignments with A on the left); released
+    assignments free their slot."""
     rows = session.execute(
         select(Assignment.item_id, func.count(Assignment.id),
                func.sum(case((Assignment.a_on_left, 1), else_=0)))
         .join(Item, Item.id == Assignment.item_id)
-        .where(Item.study_id == study_id)
+        .where(Item.study_id == study_id, Assignment.released_at.is_(None))
         .group_by(Assignment.item_id))
     return {item_id: (int(n), int(left or 0)) for item_id, n, left in rows}
+
+
+def release_inactive(session: Session, study_id: int, minutes: float,
+                     now: datetime | None = None) -> int:
+    """Release the open assignments of raters inactive for ``minutes`` (0: never); returns how
+    many were released."""
+    if not minutes or minutes <= 0:
+        return 0
+    now = now or utcnow()
+    cutoff = now - timedelta(minutes=minutes)
+    last = func.coalesce(Rater.last_seen_at, Rater.started_at)
+    stale = select(Rater.id).where(Rater.study_id == study_id, Rater.started_at.is_not(None),
+                                   last < cutoff)
+    return _release(session, select(Assignment).where(Assignment.rater_id.in_(stale)), "inactive")
+
+
+def _release(session: Session, query, reason: str) -> int:  # noqa: ANN001 - a Select
+    rows = list(session.scalars(_open(query)))
+    now = utcnow()
+    for a in rows:
+        a.released_at, a.release_reason = now, reason
+    return len(rows)
+
+
+def release_assignments(session: Session, rater: Rater, reason: str) -> int:
+    """Release the open assignments of ``rater`` now, with ``reason``; returns how many."""
+    return _release(session, select(Assignment).where(Assignment.rater_id == rater.id), reason)
 
 
 def _least_used(items: list[Item], counts: Mapping[int, tuple[int, int]], rng: random.Random
@@ -131,14 +218,17 @@ def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = N
     with _QUEUE_LOCK, Session.begin() as session:
         # Serializes queue creation across server processes on databases with row locks.
         session.execute(select(Study.id).where(Study.id == study_id).with_for_update())
-        rater = get_rater(session, study_id, token)
+        rater = get_rater(session, study_id, token, touch=True)
         if rater.started_at is not None:
             return _queue_size(session, rater) > 0
         rater.started_at = utcnow()
         study = session.get(Study, study_id)
         config = study.config
+        release_inactive(session, study_id, float(config.get("release_after_minutes", 0) or 0))
         rng = random.Random(seed if seed is not None else secrets.randbits(64))
-        items = list(session.scalars(select(Item).where(Item.study_id == study_id).order_by(Item.id)))
+        items = list(session.scalars(select(Item).where(Item.study_id == study_id,
+                                                        Item.excluded.is_(False))
+                                     .order_by(Item.id)))
         counts = _assignment_counts(session, study_id)
         main_all = [it for it in items if it.kind == "main"]
         candidates = [it for it in main_all if counts.get(it.id, (0, 0))[0] < it.target_ratings]
@@ -178,12 +268,14 @@ def _queue_size(session: Session, rater: Rater) -> int:
 
 
 def progress(session: Session, rater: Rater) -> dict[str, int]:
-    """Counts for the progress bar: practice and rated items, done and total."""
+    """Counts for the progress bar: practice and rated items, done and total (released items
+    leave the total)."""
     rows = session.execute(
         select(Item.kind, func.count(Assignment.id), func.count(Vote.id))
         .join(Item, Item.id == Assignment.item_id)
         .outerjoin(Vote, Vote.assignment_id == Assignment.id)
-        .where(Assignment.rater_id == rater.id)
+        .where(Assignment.rater_id == rater.id,
+               (Assignment.released_at.is_(None)) | (Vote.id.is_not(None)))
         .group_by(Item.kind))
     out = {"practice_total": 0, "practice_done": 0, "total": 0, "done": 0}
     for kind, n, voted in rows:
@@ -201,64 +293,234 @@ def stage(session: Session, rater: Rater) -> str:
     but the study had nothing left to assign)."""
     if rater.started_at is None:
         return "instructions"
-    p = progress(session, rater)
-    if p["total"] == 0:
+    if _queue_size(session, rater) == 0:
         return "full"
+    _resume(session, rater)
+    p = progress(session, rater)
     if p["practice_done"] < p["practice_total"]:
         return "practice"
     return "rating" if p["done"] < p["total"] else "done"
 
 
+def _reopen_inactive(session: Session, rater: Rater) -> None:
+    """A rater back after their queue was released for inactivity gets back the items nobody
+    else took (every practice and check item, main items still short of their ratings)."""
+    released = list(session.scalars(
+        select(Assignment).where(Assignment.rater_id == rater.id,
+                                 Assignment.release_reason == "inactive")
+        .order_by(Assignment.position)))
+    if not released:
+        return
+    counts = _assignment_counts(session, rater.study_id)
+    for a in released:
+        item = a.item
+        if item.excluded:
+            continue
+        if item.kind == "main" and counts.get(item.id, (0, 0))[0] >= item.target_ratings:
+            continue
+        a.released_at, a.release_reason = None, None
+        n, left = counts.get(item.id, (0, 0))
+        counts[item.id] = (n + 1, left)
+
+
+def _first_open(session: Session, rater: Rater) -> Assignment | None:
+    return session.scalar(_open(select(Assignment)).where(Assignment.rater_id == rater.id)
+                          .order_by(Assignment.position).limit(1))
+
+
+def _resume(session: Session, rater: Rater) -> None:
+    """Nothing open any more? Take back what was released while the rater was away."""
+    if _first_open(session, rater) is None:
+        _reopen_inactive(session, rater)
+        session.flush()
+
+
 def current(session: Session, rater: Rater) -> Assignment | None:
-    """The rater's first unvoted assignment (marked shown now if it never was), or None."""
+    """The rater's first open assignment (marked shown now if it never was), or None."""
     if rater.started_at is None:
         raise NotStarted("read the instructions first")
-    assignment = session.scalar(
-        select(Assignment)
-        .outerjoin(Vote, Vote.assignment_id == Assignment.id)
-        .where(Assignment.rater_id == rater.id, Vote.id.is_(None))
-        .order_by(Assignment.position)
-        .limit(1))
+    _resume(session, rater)
+    assignment = _first_open(session, rater)
     if assignment is not None and assignment.shown_at is None:
         assignment.shown_at = utcnow()
     return assignment
 
 
+def served_media(session: Session, assignment: Assignment) -> dict[str, Any]:
+    """What the page plays for an assignment: ``{"video": url}`` (one side-by-side file) or, in a
+    study built before side-by-side serving, ``{"left": url, "right": url}``; and the seconds one
+    play-through takes (None when unknown)."""
+    video = session.scalar(select(Video).where(Video.item_id == assignment.item_id,
+                                               Video.a_on_left == assignment.a_on_left))
+    if video is not None:
+        return {"video": f"/media/{video.token}.mp4", "duration": video.duration_s}
+    item = assignment.item
+    left, right = ((item.clip_a, item.clip_b) if assignment.a_on_left else (item.clip_b, item.clip_a))
+    return {"left": f"/media/{left.token}.mp4", "right": f"/media/{right.token}.mp4",
+            "duration": None}
+
+
 def resolve(side: str, a_on_left: bool) -> str:
     """What a click on ``side`` means for the item: ``a``, ``b`` or ``tie``."""
-    if side == "tie":
+    if side in ("tie", BOTH_BAD):
         return "tie"
     return "a" if (side == "left") == a_on_left else "b"
 
 
-def record_vote(session: Session, rater: Rater, assignment_token: str, overall: str,
-                criteria: Mapping[str, str]) -> Vote:
-    """Store one vote after every check that makes it count once and only for its rater."""
+def _own_open_assignment(session: Session, rater: Rater, assignment_token: str) -> Assignment:
     assignment = session.scalar(select(Assignment).where(Assignment.token == assignment_token))
     if assignment is None or assignment.rater_id != rater.id:
         raise NotAssigned("this item is not assigned to you")
     if session.scalar(select(Vote.id).where(Vote.assignment_id == assignment.id)) is not None:
         raise AlreadyVoted("this item already has your vote")
+    if assignment.released_at is not None:
+        raise Released("this item is no longer in your queue; reload the page to continue")
     if assignment.shown_at is None:
         raise NotShown("this item has not been shown yet")
-    if overall not in SIDES:
-        raise InvalidVote(f"overall must be one of {', '.join(SIDES)}")
-    if set(criteria) != set(CRITERIA):
+    return assignment
+
+
+def _clean_comment(comment: str | None) -> str | None:
+    if comment is None:
+        return None
+    if not isinstance(comment, str):
+        raise InvalidVote("comment must be text")
+    comment = comment.strip()
+    if len(comment) > MAX_COMMENT:
+        raise InvalidVote(f"comment is longer than {MAX_COMMENT} characters")
+    return comment or None
+
+
+def record_vote(session: Session, rater: Rater, assignment_token: str, overall: str,
+                criteria: Mapping[str, str], comment: str | None = None, *,
+                min_view_factor: float = 0.0, media_dir: Path | None = None,
+                now: datetime | None = None) -> Vote:
+    """Store one vote after every check that makes it count once and only for its rater.
+
+    ``overall`` is ``left``, ``right``, ``tie`` or ``both_bad`` (a tie that says neither is
+    good); each criterion ``left``, ``right`` or ``tie``. With ``min_view_factor`` > 0 the vote is
+    refused (:class:`TooEarly`) until that many play-throughs of the pair have passed since it
+    was first shown.
+    """
+    assignment = _own_open_assignment(session, rater, assignment_token)
+    if overall not in (*SIDES, BOTH_BAD):
+        raise InvalidVote(f"overall must be one of {', '.join((*SIDES, BOTH_BAD))}")
+    if not isinstance(criteria, Mapping) or set(criteria) != set(CRITERIA):
         raise InvalidVote(f"criteria must answer exactly: {', '.join(CRITERIA)}")
     for key, side in criteria.items():
         if side not in SIDES:
             raise InvalidVote(f"{key} must be one of {', '.join(SIDES)}")
+    comment = _clean_comment(comment)
+    now = now or utcnow()
+    seconds = (now - assignment.shown_at).total_seconds()
+    if min_view_factor > 0:
+        duration = play_seconds(session, assignment, media_dir)
+        needed = min_view_factor * duration if duration else 0.0
+        if seconds < needed:
+            raise TooEarly(f"too early: watch the pair through first (it plays {duration:.1f} s)",
+                           needed - seconds)
     left_a = assignment.a_on_left
     fields: dict[str, Any] = {}
     for key in CRITERIA:
         fields[f"{key}_side"] = criteria[key]
         fields[key] = resolve(criteria[key], left_a)
     vote = Vote(assignment_id=assignment.id, rater_id=rater.id, item_id=assignment.item_id,
-                left_is_a=left_a, shown_at=assignment.shown_at, voted_at=utcnow(),
-                overall_side=overall, overall=resolve(overall, left_a), **fields)
+                left_is_a=left_a, shown_at=assignment.shown_at, voted_at=now,
+                overall_side="tie" if overall == BOTH_BAD else overall,
+                overall=resolve(overall, left_a), both_bad=overall == BOTH_BAD, comment=comment,
+                view_seconds=seconds, **fields)
     session.add(vote)
     try:
         session.flush()
     except IntegrityError:
         raise AlreadyVoted("this item already has your vote") from None
     return vote
+
+
+_LEGACY_DURATIONS: dict[Path, float] = {}
+
+
+def play_seconds(session: Session, assignment: Assignment, media_dir: Path | None = None
+                 ) -> float | None:
+    """Seconds one play-through of an assignment's pair takes. In a study built before
+    side-by-side serving, the longer of its two clips, read once from the files in
+    ``media_dir`` (None when that is not given or the files cannot be read)."""
+    info = served_media(session, assignment)
+    if info["duration"] is not None:
+        return float(info["duration"])
+    if media_dir is None:
+        return None
+    from . import media  # only legacy studies need to probe files
+
+    seconds = []
+    for clip_id in (assignment.item.clip_a_id, assignment.item.clip_b_id):
+        path = Path(media_dir) / f"{session.get(Clip, clip_id).token}.mp4"
+        if path not in _LEGACY_DURATIONS:
+            try:
+                _LEGACY_DURATIONS[path] = media.probe(path).duration
+            except media.MediaError:
+                _LEGACY_DURATIONS[path] = 0.0
+        seconds.append(_LEGACY_DURATIONS[path])
+    return max(seconds) or None
+
+
+def report_problem(session: Session, rater: Rater, assignment_token: str, reason: str,
+                   comment: str | None = None) -> Report:
+    """The rater reports the pair in front of them (e.g. it does not load): the report is kept
+    for the organiser and the assignment is released, so the rater moves on."""
+    if reason not in REPORT_REASONS:
+        raise InvalidVote(f"reason must be one of {', '.join(REPORT_REASONS)}")
+    assignment = session.scalar(select(Assignment).where(Assignment.token == assignment_token))
+    if assignment is None or assignment.rater_id != rater.id:
+        raise NotAssigned("this item is not assigned to you")
+    if session.scalar(select(Vote.id).where(Vote.assignment_id == assignment.id)) is not None:
+        raise AlreadyVoted("this item already has your vote")
+    report = Report(study_id=rater.study_id, assignment_id=assignment.id, rater_id=rater.id,
+                    item_id=assignment.item_id, reason=reason, comment=_clean_comment(comment))
+    session.add(report)
+    if assignment.released_at is None:
+        assignment.released_at, assignment.release_reason = utcnow(), "broken"
+    session.flush()
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Organiser actions
+# --------------------------------------------------------------------------------------------
+
+def find_rater(session: Session, study_id: int, label: str) -> Rater:
+    rater = session.scalar(select(Rater).where(Rater.study_id == study_id, Rater.label == label))
+    if rater is None:
+        raise LookupError(f"no rater {label!r} in this study")
+    return rater
+
+
+def find_item(session: Session, study_id: int, item_id: int) -> Item:
+    item = session.get(Item, item_id)
+    if item is None or item.study_id != study_id:
+        raise LookupError(f"no item {item_id} in this study")
+    return item
+
+
+def revoke_rater(session: Session, rater: Rater) -> int:
+    """Withdraw an invite: the token stops working and the open assignments go back to the
+    pool. Votes already given stay (exclude the rater to drop them from the analysis)."""
+    rater.revoked_at = rater.revoked_at or utcnow()
+    return release_assignments(session, rater, "revoked")
+
+
+def set_rater_excluded(rater: Rater, excluded: bool, reason: str | None = None) -> None:
+    """Exclude (or re-include) a rater's votes from the analysis, with the organiser's reason."""
+    rater.excluded = bool(excluded)
+    rater.exclusion_reason = (reason or "").strip() or None if excluded else None
+
+
+def set_item_excluded(session: Session, item: Item, excluded: bool, reason: str | None = None
+                      ) -> int:
+    """Exclude (or re-include) an item: its votes leave the analysis and it is assigned to no
+    one any more (open assignments are released). Returns how many were released."""
+    item.excluded = bool(excluded)
+    item.exclusion_reason = (reason or "").strip() or None if excluded else None
+    if not excluded:
+        return 0
+    return _release(session, select(Assignment).where(Assignment.item_id == item.id), "excluded")

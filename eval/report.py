@@ -2,12 +2,15 @@
 
 Writes into the output folder:
 
-* ``report.md`` and ``report.html`` — the same content: declared settings, raters and their check
-  accuracy, the exclusion applied, and per method pair the headline table (overall and per
-  criterion) with intervals, sign test, equivalence test, position bias and agreement;
+* ``report.md`` and ``report.html`` — the same content: declared settings, warnings, raters with
+  their check accuracy, view times and fast-voter flags, the exclusions applied, and per method
+  pair the headline table (overall and per criterion) with intervals, sign test, the declared
+  margin test (equivalence or non-inferiority, with the interval that decides it, or "not enough
+  data"), position bias and agreement; Δ and its intervals in percentage points;
 * ``wtl.png`` and ``wtl.svg`` — stacked win/tie/lose bars;
 * ``votes.csv`` and ``votes.json`` — every raw vote (practice and checks included, with their
-  kind, the displayed order and both clicked and resolved answers);
+  kind, the displayed order, both clicked and resolved answers, view time, "both are bad" and
+  comment);
 * ``results.json`` — the full analysis.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import html
+import io
 import json
 import math
 import sys
@@ -79,67 +83,134 @@ def _html(blocks: Sequence[Block], title: str) -> str:
             f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n")
 
 
+NO_DATA = "no data"
+
+
+def _missing(x: float | None) -> bool:
+    return x is None or (isinstance(x, float) and math.isnan(x))
+
+
 def _pct(x: float | None) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.1f}%"
+    return NO_DATA if _missing(x) else f"{100 * x:.1f}%"
 
 
 def _ci(ci: Sequence[float]) -> str:
     lo, hi = ci
-    if lo is None or math.isnan(lo):
-        return "–"
+    if _missing(lo) or _missing(hi):
+        return NO_DATA
     return f"[{100 * lo:.1f}, {100 * hi:.1f}]"
 
 
+def _pp(x: float | None) -> str:
+    """A net preference in percentage points (Δ ∈ [−1, 1] → [−100, +100] pp)."""
+    return NO_DATA if _missing(x) else f"{100 * x:+.1f} pp"
+
+
+def _pp_ci(ci: Sequence[float]) -> str:
+    lo, hi = ci
+    if _missing(lo) or _missing(hi):
+        return NO_DATA
+    return f"[{100 * lo:+.1f}, {100 * hi:+.1f}] pp"
+
+
 def _num(x: float | None, fmt: str = ".3f") -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+    return NO_DATA if _missing(x) else format(x, fmt)
+
+
+def _decision(mt: dict) -> str:
+    """The margin test in one cell: verdict, the deciding interval against the margin, p."""
+    interval = _pp_ci((mt["ci_low"], mt["ci_high"]))
+    bound = f"±{100 * mt['margin']:.0f} pp" if mt["test"] == "equivalence" else \
+        f"> −{100 * mt['margin']:.0f} pp"
+    if interval == NO_DATA:
+        return f"{mt['verdict']}"
+    return f"{mt['verdict']}: {interval} vs {bound}, p = {_num(mt['p'], '.4f')}"
+
+
+def verdict_line(pair: str, summary: dict) -> str:
+    """One line per comparison for the terminal: counts, Δ with the deciding interval, verdict."""
+    c, mt = summary["counts"], summary["margin_test"]
+    conf = 1 - 2 * mt["alpha"]
+    return (f"{pair}: {c['win']} win / {c['tie']} tie / {c['lose']} lose; "
+            f"Δ = {_pp(summary['net_preference']['estimate'])}, {conf:.0%} interval "
+            f"{_pp_ci((mt['ci_low'], mt['ci_high']))}; {mt['test']} within "
+            f"{100 * mt['margin']:.0f} pp: {mt['verdict']}"
+            + (f" (p = {_num(mt['p'], '.4f')})" if not _missing(mt["p"]) else
+               f" ({mt['note']})" if mt["note"] else ""))
 
 
 def report_blocks(analysis: dict) -> list[Block]:
     """The report's content (see the module docstring)."""
     cfg = analysis["config"]
     conf = cfg["confidence"]
+    test = cfg.get("test", "equivalence")
+    decide = 1 - 2 * cfg["alpha"]
     b: list[Block] = [Block("h1", f"Blind study: {analysis['study']}")]
+    claim = ("−δ < Δ < δ (TOST)" if test == "equivalence" else "Δ > −δ (one-sided)")
     b.append(Block("p", (
         f"Declared before the study: pairs {', '.join(f'{a} vs {b_}' for a, b_ in cfg['pairs'])}; "
-        f"{cfg['ratings_per_item']} rating(s) per item; equivalence margin δ = "
-        f"{cfg['equivalence_margin']} on the net preference Δ = win share − lose share "
-        f"(TOST on per-prompt means, α = {cfg['alpha']}); intervals {conf:.0%}, bootstrap "
-        f"{cfg['n_boot']} resamples of prompts (seed {cfg['seed']}). Win/lose are from method A's "
-        "view (A is the first method of each pair).")))
+        f"{cfg['ratings_per_item']} rating(s) per item; {test} test of {claim} on the net "
+        f"preference Δ = win share − lose share, margin δ = {100 * cfg['equivalence_margin']:.0f} "
+        f"percentage points (pp), t-tests on per-prompt means at α = {cfg['alpha']}, decided by "
+        f"the {decide:.0%} interval; at least {cfg.get('min_prompts', 2)} prompts for a verdict; "
+        f"intervals {conf:.0%}, bootstrap {cfg['n_boot']} resamples of prompts (seed "
+        f"{cfg['seed']}). Win/lose are from method A's view (A is the first method of each pair). "
+        "Δ and all its intervals are in percentage points.")))
+    if analysis.get("warnings"):
+        b.append(Block("h2", "Warnings"))
+        b.extend(Block("p", f"⚠ {w}") for w in analysis["warnings"])
+    organiser = analysis.get("excluded_by_organiser", {"raters": {}, "items": {}})
+    extra = [f"{r} ({why})" for r, why in organiser["raters"].items()]
+    extra += [f"item {i} ({why})" for i, why in organiser["items"].items()]
     b.append(Block("p", f"Exclusion rule: {analysis['exclusion_rule']}. Excluded: "
-                        f"{', '.join(analysis['excluded_raters']) or 'none'}. Votes on main items: "
+                        f"{', '.join(analysis['excluded_raters']) or 'none'}. Excluded by the "
+                        f"organiser: {', '.join(extra) or 'none'}. Votes on main items: "
                         f"{analysis['n_votes']['main']} ({analysis['n_votes']['main_after_exclusion']} "
                         "after exclusion)."))
     b.append(Block("h2", "Raters"))
-    rows = [["rater", "main votes", "check items", "check accuracy", "excluded"]]
+    rows = [["rater", "main votes", "check items", "check accuracy", "median view time",
+             "fast voter", "excluded"]]
     for name, r in sorted(analysis["raters"].items()):
+        excluded = "yes (checks)" if r["excluded"] else \
+            "yes (organiser)" if r.get("excluded_by_organiser") else "no"
+        view = r.get("median_view_seconds")
         rows.append([name, str(r["main_votes"]), f"{r['checks_correct']}/{r['checks_answered']}",
-                     _pct(r["check_accuracy"]), "yes" if r["excluded"] else "no"])
+                     _pct(r["check_accuracy"]), NO_DATA if view is None else f"{view:.1f} s",
+                     "yes" if r.get("fast") else "no", excluded])
     b.append(Block("table", rows=rows))
     b.append(Block("h2", "Results (after exclusion)"))
     b.append(Block("img", "wtl.png"))
     for pair, data in analysis["pairs"].items():
         b.append(Block("h3", pair))
         rows = [["question", "votes", "prompts", "win", "tie", "lose", "decisive win rate",
-                 "sign test p", "Δ", f"Δ bootstrap {conf:.0%}", "TOST p", "equivalent",
-                 "left share (decisive)", "position p", "α (ordinal)"]]
+                 "sign test p", "Δ", f"Δ prompt bootstrap {conf:.0%}",
+                 f"{test} ({decide:.0%} t interval of Δ)", "left share (decisive)", "position p",
+                 "α (ordinal)"]]
+        notes = []
         for q in QUESTIONS:
             s = data["questions"][q]
-            sh, dec, eq, pos = s["shares"], s["decisive"], s["equivalence"], s["position_bias"]
+            sh, dec, mt, pos = s["shares"], s["decisive"], s["margin_test"], s["position_bias"]
+            if s["n_votes"] == 0:
+                rows.append([q, "0", "0", *[NO_DATA] * 11])
+                continue
+            tie = f"{sh['tie']['count']} ({_pct(sh['tie']['share'])})"
+            if q == "overall" and s.get("both_bad"):
+                tie += f", {s['both_bad']} both bad"
             rows.append([
                 q, str(s["n_votes"]), str(s["n_prompts"]),
-                f"{sh['win']['count']} ({_pct(sh['win']['share'])})",
-                f"{sh['tie']['count']} ({_pct(sh['tie']['share'])})",
+                f"{sh['win']['count']} ({_pct(sh['win']['share'])})", tie,
                 f"{sh['lose']['count']} ({_pct(sh['lose']['share'])})",
-                f"{_pct(dec['win_rate'])} {_ci(dec['wilson'])}",
+                f"{_pct(dec['win_rate'])} {_ci(dec['wilson'])}" if dec["n"] else NO_DATA,
                 _num(dec["sign_test_p"], ".4f"),
-                _num(s["net_preference"]["estimate"], "+.3f"),
-                _ci(s["net_preference"]["bootstrap"]),
-                _num(eq["p"], ".4f"), "yes" if eq["equivalent"] else "no",
+                _pp(s["net_preference"]["estimate"]),
+                _pp_ci(s["net_preference"]["bootstrap"]),
+                _decision(mt),
                 _pct(pos["left_share"]), _num(pos["p"], ".4f"),
                 _num(s["krippendorff_alpha_ordinal"]),
             ])
+            notes += [f"{q}: {w}" for w in s.get("warnings", [])]
         b.append(Block("table", rows=rows))
+        b.extend(Block("p", f"⚠ {n}") for n in notes)
         rows = [["question", "outcome", "share", f"Wilson {conf:.0%}", f"prompt bootstrap {conf:.0%}"]]
         for q in QUESTIONS:
             for o, v in data["questions"][q]["shares"].items():
@@ -150,9 +221,12 @@ def report_blocks(analysis: dict) -> list[Block]:
                             f"tie / {before['lose']} lose."))
     b.append(Block("p", (
         "Reading the table: the sign test asks whether one method is preferred (ties dropped); a "
-        "large p is not evidence of equality. 'equivalent' means both one-sided tests reject "
-        "|Δ| ≥ δ, i.e. the 90% interval of the per-prompt mean Δ lies inside (−δ, δ). The "
-        "position test checks that left and right were picked equally often among decisive votes.")))
+        "large p is not evidence of equality. The margin test decides on the per-prompt mean Δ: "
+        f"'equivalent' means its {decide:.0%} t interval lies inside (−δ, δ) (both one-sided "
+        "tests reject |Δ| ≥ δ); 'non-inferior' means its lower end is above −δ. 'Not enough "
+        "data' means too few prompts, or no spread between prompts, for any verdict. 'Both bad' "
+        "answers count as ties. The position test checks that left and right were picked "
+        "equally often among decisive votes.")))
     return b
 
 
@@ -160,15 +234,21 @@ def report_blocks(analysis: dict) -> list[Block]:
 # Exports and the command
 # --------------------------------------------------------------------------------------------
 
+def votes_csv(rows: Sequence[dict]) -> str:
+    """Flat vote rows (:meth:`VoteRecord.flat`) as CSV text."""
+    fields = list(rows[0]) if rows else list(VoteRecord.__dataclass_fields__)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buffer.getvalue()
+
+
 def export_votes(votes: Sequence[VoteRecord], out_dir: Path) -> tuple[Path, Path]:
     """``votes.csv`` and ``votes.json``: one flat row per vote."""
     rows = [v.flat() for v in votes]
     csv_path, json_path = out_dir / "votes.csv", out_dir / "votes.json"
-    fields = list(rows[0]) if rows else list(VoteRecord.__dataclass_fields__)
-    with open(csv_path, "w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    csv_path.write_text(votes_csv(rows), encoding="utf-8")
     json_path.write_text(json.dumps(rows, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return csv_path, json_path
 
@@ -208,6 +288,17 @@ def load_analysis(db_url: str, name: str | None = None, n_boot: int | None = Non
     return analyze(votes, config), votes
 
 
+def print_summary(analysis: dict) -> None:
+    """The overall verdict of each comparison and every warning, for the terminal."""
+    for pair, data in analysis["pairs"].items():
+        overall = data["questions"]["overall"]
+        print("  " + verdict_line(pair, overall))
+        for w in overall.get("warnings", []):
+            print(f"    warning: {w}")
+    for w in analysis.get("warnings", []):
+        print(f"  warning: {w}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study", type=Path, default=None,
                         help="study folder made by `attnqat eval build` (its study.db is read "
@@ -242,11 +333,6 @@ def run(args: argparse.Namespace) -> int:
     n = analysis["n_votes"]
     print(f"{n['all']} votes ({n['main']} on main items, {n['main_after_exclusion']} after "
           f"excluding {len(analysis['excluded_raters'])} rater(s))")
-    for pair, data in analysis["pairs"].items():
-        c = data["questions"]["overall"]["counts"]
-        eq = data["questions"]["overall"]["equivalence"]
-        print(f"  {pair}: {c['win']} win / {c['tie']} tie / {c['lose']} lose; "
-              f"equivalent within ±{eq['margin']}: {'yes' if eq['equivalent'] else 'no'} "
-              f"(TOST p={_num(eq['p'], '.4f')})")
+    print_summary(analysis)
     print(f"report: {paths['markdown']}  figure: {paths['png']}")
     return 0

@@ -1,14 +1,17 @@
 """From the database to the study's numbers: vote records, progress tables and the analysis.
 
-Shared by ``attnqat eval report`` and the admin view of the rater app. The analysis follows the
-study's declared configuration: check-item accuracy per rater, the exclusion rule, then per method
-pair and per question (overall and each criterion) the W/T/L statistics of
-:func:`attnqat.eval.stats.summarize_wtl`, the position-bias test and Krippendorff's alpha.
+Shared by ``attnqat eval report``, ``attnqat eval import`` and the admin view of the rater app.
+The analysis follows the study's declared configuration: check-item accuracy per rater, the
+exclusion rule (and the organiser's exclusions of raters and items), then per method pair and per
+question (overall and each criterion) the W/T/L statistics of
+:func:`attnqat.eval.stats.summarize_wtl`, the position-bias test and Krippendorff's alpha, view
+times with fast voters flagged, and warnings where the data cannot carry a conclusion.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -17,12 +20,16 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from . import stats
-from .storage import CRITERIA, Assignment, Clip, Item, Rater, Vote
+from .storage import CRITERIA, Assignment, Clip, Item, Rater, Report, Video, Vote
 from .study import StudyConfig
 
 #: Resolved answer (a / b / tie) → outcome for method A.
 OUTCOME_OF: dict[str, str] = {"a": "win", "tie": "tie", "b": "lose"}
 QUESTIONS: tuple[str, ...] = ("overall", *CRITERIA)
+#: Agreement below this Krippendorff alpha (0 = chance) is reported as chance level.
+CHANCE_ALPHA = 0.1
+#: A rater with at least this many timed votes, most of them fast, is flagged.
+MIN_TIMED_VOTES = 3
 
 
 def json_safe(obj):
@@ -42,7 +49,12 @@ def _iso(t: datetime | None) -> str | None:
 
 @dataclass(frozen=True)
 class VoteRecord:
-    """One vote with everything needed to analyse or export it (times as ISO 8601 UTC)."""
+    """One vote with everything needed to analyse or export it (times as ISO 8601 UTC).
+
+    ``answers`` maps each answered question to a / b / tie (imported votes may answer only some
+    questions); ``sides`` to what was clicked (left / right / tie, ``both_bad`` for the overall
+    answer "both are bad"), or is empty when the displayed order is unknown.
+    """
 
     vote_id: int
     rater: str
@@ -53,13 +65,19 @@ class VoteRecord:
     method_a: str
     method_b: str
     expected: str | None
-    left_method: str
-    right_method: str
-    left_is_a: bool
-    shown_at: str
-    voted_at: str
+    left_method: str | None
+    right_method: str | None
+    left_is_a: bool | None
+    shown_at: str | None
+    voted_at: str | None
     answers: dict[str, str] = field(default_factory=dict)  # question -> a / b / tie
     sides: dict[str, str] = field(default_factory=dict)  # question -> left / right / tie
+    both_bad: bool = False
+    comment: str | None = None
+    view_seconds: float | None = None
+    play_seconds: float | None = None
+    #: The organiser's exclusion of this vote's rater or item (with the reason), else None.
+    excluded_by_organiser: str | None = None
 
     def outcome(self, question: str = "overall") -> str:
         """win / tie / lose for method A."""
@@ -70,9 +88,9 @@ class VoteRecord:
         d = asdict(self)
         answers, sides = d.pop("answers"), d.pop("sides")
         for q in QUESTIONS:
-            d[f"{q}_clicked"] = sides[q]
-            d[q] = answers[q]
-            d[f"{q}_outcome_for_a"] = OUTCOME_OF[answers[q]]
+            d[f"{q}_clicked"] = sides.get(q)
+            d[q] = answers.get(q)
+            d[f"{q}_outcome_for_a"] = OUTCOME_OF[answers[q]] if q in answers else None
         return d
 
 
@@ -80,39 +98,53 @@ def load_votes(session: Session, study_id: int) -> list[VoteRecord]:
     """All votes of a study (practice included; callers filter by ``kind``), in vote order."""
     degraded = set(session.scalars(select(Clip.id).where(Clip.study_id == study_id,
                                                          Clip.degraded.is_(True))))
+    durations = {(item_id, left): d for item_id, left, d in session.execute(
+        select(Video.item_id, Video.a_on_left, Video.duration_s).where(Video.study_id == study_id))}
     rows = session.execute(
-        select(Vote, Item, Rater.label)
+        select(Vote, Item, Rater)
         .join(Item, Item.id == Vote.item_id)
         .join(Rater, Rater.id == Vote.rater_id)
         .where(Item.study_id == study_id)
         .order_by(Vote.id)).all()
     out = []
-    for vote, item, label in rows:
+    for vote, item, rater in rows:
         answers = {"overall": vote.overall, **{c: getattr(vote, c) for c in CRITERIA}}
-        sides = {"overall": vote.overall_side, **{c: getattr(vote, f"{c}_side") for c in CRITERIA}}
+        sides = {"overall": "both_bad" if vote.both_bad else vote.overall_side,
+                 **{c: getattr(vote, f"{c}_side") for c in CRITERIA}}
         name_a = item.method_a + (" (degraded)" if item.clip_a_id in degraded else "")
         name_b = item.method_b + (" (degraded)" if item.clip_b_id in degraded else "")
         left, right = (name_a, name_b) if vote.left_is_a else (name_b, name_a)
-        out.append(VoteRecord(vote.id, label, item.id, item.kind, item.prompt, item.seed,
+        view = vote.view_seconds
+        if view is None and vote.shown_at and vote.voted_at:  # votes stored before view times
+            view = (vote.voted_at - vote.shown_at).total_seconds()
+        excluded = None
+        if rater.excluded:
+            excluded = f"rater excluded: {rater.exclusion_reason or 'no reason given'}"
+        elif item.excluded:
+            excluded = f"item excluded: {item.exclusion_reason or 'no reason given'}"
+        out.append(VoteRecord(vote.id, rater.label, item.id, item.kind, item.prompt, item.seed,
                               item.method_a, item.method_b, item.expected, left, right,
                               vote.left_is_a, _iso(vote.shown_at), _iso(vote.voted_at),
-                              answers, sides))
+                              answers, sides, bool(vote.both_bad), vote.comment, view,
+                              durations.get((item.id, vote.left_is_a)), excluded))
     return out
 
 
 def rater_checks(votes: Sequence[VoteRecord]) -> dict[str, stats.CheckScore]:
     """Check-item score per rater (overall answer against the expected one)."""
     return stats.check_scores((v.rater, v.answers["overall"], v.expected)
-                              for v in votes if v.kind.startswith("check"))
+                              for v in votes if v.kind.startswith("check") and "overall" in v.answers)
 
 
 def _question_summary(votes: Sequence[VoteRecord], question: str, config: StudyConfig) -> dict:
+    votes = [v for v in votes if question in v.answers]
     summary = stats.summarize_wtl(
         [v.outcome(question) for v in votes], [v.prompt for v in votes],
         margin=config.equivalence_margin, alpha=config.alpha, n_boot=config.n_boot,
-        seed=config.seed, confidence=config.confidence)
-    n_left = sum(v.sides[question] == "left" for v in votes)
-    n_right = sum(v.sides[question] == "right" for v in votes)
+        seed=config.seed, confidence=config.confidence, test=config.test,
+        min_prompts=config.min_prompts)
+    n_left = sum(v.sides.get(question) == "left" for v in votes)
+    n_right = sum(v.sides.get(question) == "right" for v in votes)
     summary["position_bias"] = {
         "left": n_left, "right": n_right,
         "left_share": n_left / (n_left + n_right) if n_left + n_right else None,
@@ -122,24 +154,78 @@ def _question_summary(votes: Sequence[VoteRecord], question: str, config: StudyC
         (v.rater, v.item_id, stats.SCORES[v.outcome(question)]) for v in votes)
     alpha = stats.krippendorff_alpha_ordinal(matrix) if matrix.size else float("nan")
     summary["krippendorff_alpha_ordinal"] = alpha
+    if votes:
+        if math.isnan(alpha):
+            summary["warnings"].append("agreement cannot be measured (no item has ratings from "
+                                       "two raters)")
+        elif alpha < CHANCE_ALPHA:
+            summary["warnings"].append(
+                f"raters agree at chance level (Krippendorff's α = {alpha:.2f}); random answers "
+                f"average to Δ ≈ 0, so a '{summary['margin_test']['test']}' verdict may be noise")
+    if question == "overall":
+        summary["both_bad"] = sum(v.both_bad for v in votes)
     return summary
+
+
+def _rater_times(votes: Sequence[VoteRecord], margin: float) -> dict[str, dict]:
+    """Per rater: median view-to-vote seconds, and how many timed votes were fast (less than
+    ``margin`` seconds after one play-through)."""
+    out: dict[str, dict] = {}
+    for v in votes:
+        r = out.setdefault(v.rater, {"times": [], "fast": 0})
+        if v.view_seconds is not None:
+            r["times"].append(v.view_seconds)
+            if v.play_seconds is not None and v.view_seconds < v.play_seconds + margin:
+                r["fast"] += 1
+    result = {}
+    for rater, r in out.items():
+        timed = len(r["times"])
+        result[rater] = {
+            "median_view_seconds": statistics.median(r["times"]) if timed else None,
+            "timed_votes": timed, "fast_votes": r["fast"],
+            "fast": timed >= MIN_TIMED_VOTES and r["fast"] * 2 >= timed,
+        }
+    return result
+
+
+def _check_rule_warning(checks: dict[str, stats.CheckScore], config: StudyConfig) -> str | None:
+    answered = [s.answered for s in checks.values() if s.answered]
+    if not answered:
+        return "no rater answered a check item: the exclusion rule could not be applied"
+    k = int(statistics.median(answered))
+    keep_random, drop_careful = stats.exclusion_rule_error_rates(k, config.min_check_accuracy)
+    if keep_random > 0.05 or drop_careful > 0.05:
+        return (f"raters answered a median of {k} check item(s): a rater answering at random "
+                f"passes the exclusion rule with probability {keep_random:.0%}, and a careful "
+                f"rater (95% right) is excluded with probability {drop_careful:.0%}; serve more "
+                "check items (--check-fraction) for a rule that separates them")
+    return None
 
 
 def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
     """The study's results as one JSON-able dict (see the module docstring)."""
     checks = rater_checks(votes)
     excluded = stats.excluded_raters(checks, config.min_check_accuracy, config.min_checks)
+    organiser = {}
+    for v in votes:
+        if v.excluded_by_organiser and v.excluded_by_organiser.startswith("rater"):
+            organiser.setdefault(v.rater, v.excluded_by_organiser)
+    times = _rater_times(votes, config.fast_vote_margin)
     raters: dict[str, dict] = {}
     for v in votes:
         r = raters.setdefault(v.rater, {"main_votes": 0, "check_votes": 0, "practice_votes": 0})
-        key = "practice_votes" if v.kind == "practice" else "check_votes" if v.kind.startswith("check") else "main_votes"
+        key = ("practice_votes" if v.kind == "practice" else
+               "check_votes" if v.kind.startswith("check") else "main_votes")
         r[key] += 1
     for name, r in raters.items():
         s = checks.get(name, stats.CheckScore(0, 0))
         r.update(checks_answered=s.answered, checks_correct=s.correct,
-                 check_accuracy=s.accuracy if s.answered else None, excluded=name in excluded)
+                 check_accuracy=s.accuracy if s.answered else None, excluded=name in excluded,
+                 excluded_by_organiser=organiser.get(name), **times.get(name, {}))
     main = [v for v in votes if v.kind == "main"]
-    kept = [v for v in main if v.rater not in excluded]
+    kept = [v for v in main if v.rater not in excluded and v.excluded_by_organiser is None]
+    excluded_items = sorted({(v.item_id, v.excluded_by_organiser) for v in main
+                             if v.excluded_by_organiser and v.excluded_by_organiser.startswith("item")})
     pairs = {}
     for a, b in config.pairs:
         sub = [v for v in kept if (v.method_a, v.method_b) == (a, b)]
@@ -147,49 +233,80 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
         pairs[f"{a} vs {b}"] = {
             "method_a": a, "method_b": b,
             "questions": {q: _question_summary(sub, q, config) for q in QUESTIONS},
-            "before_exclusion": {q: {o: sum(v.outcome(q) == o for v in sub_all)
+            "before_exclusion": {q: {o: sum(v.outcome(q) == o for v in sub_all if q in v.answers)
                                      for o in stats.OUTCOMES} for q in QUESTIONS},
         }
+    warnings = []
+    if any(v.kind.startswith("check") for v in votes) or config.check_fraction > 0:
+        w = _check_rule_warning(checks, config)
+        if w and votes:
+            warnings.append(w)
+    fast = sorted(r for r, t in times.items() if t["fast"])
+    if fast:
+        warnings.append(f"fast voters (most votes less than {config.fast_vote_margin:g} s after "
+                        f"one play-through): {', '.join(fast)}")
     return {
         "study": config.name,
         "config": {k: v for k, v in asdict(config).items() if k != "encode"},
         "exclusion_rule": (f"exclude raters with at least {config.min_checks} answered check "
                            f"item(s) and check accuracy below {config.min_check_accuracy:.0%}"),
         "excluded_raters": sorted(excluded),
+        "excluded_by_organiser": {"raters": organiser,
+                                  "items": {str(i): why for i, why in excluded_items}},
+        "fast_raters": fast,
         "raters": raters,
         "n_votes": {"all": len(votes), "main": len(main), "main_after_exclusion": len(kept)},
         "pairs": pairs,
+        "warnings": warnings,
     }
 
 
-def progress_tables(session: Session, study_id: int) -> dict[str, list[dict]]:
-    """Admin progress: per rater (started, done/total, checks) and per item (assigned, voted)."""
+def progress_tables(session: Session, study_id: int, config: StudyConfig
+                    ) -> dict[str, list[dict]]:
+    """Admin progress: per rater (started, done/total, checks, view times, status), per item
+    (assigned, voted, excluded) and the problem reports."""
     votes = load_votes(session, study_id)
     checks = rater_checks(votes)
+    times = _rater_times(votes, config.fast_vote_margin)
     raters = []
     for rater in session.scalars(select(Rater).where(Rater.study_id == study_id).order_by(Rater.id)):
         rows = session.execute(
             select(Item.kind, func.count(Assignment.id), func.count(Vote.id))
             .join(Item, Item.id == Assignment.item_id)
             .outerjoin(Vote, Vote.assignment_id == Assignment.id)
-            .where(Assignment.rater_id == rater.id)
+            .where(Assignment.rater_id == rater.id,
+                   Assignment.released_at.is_(None) | Vote.id.is_not(None))
             .group_by(Item.kind)).all()
+        released = session.scalar(select(func.count(Assignment.id)).where(
+            Assignment.rater_id == rater.id, Assignment.released_at.is_not(None))) or 0
         total = sum(n for k, n, _ in rows if k != "practice")
         done = sum(d for k, _, d in rows if k != "practice")
         s = checks.get(rater.label)
+        t = times.get(rater.label, {})
         raters.append({
             "label": rater.label, "token": rater.token, "started": rater.started_at is not None,
-            "done": done, "total": total,
+            "done": done, "total": total, "released": released,
             "practice_done": sum(d for k, _, d in rows if k == "practice"),
             "checks_answered": s.answered if s else 0,
             "check_accuracy": s.accuracy if s and s.answered else None,
+            "median_view_seconds": t.get("median_view_seconds"), "fast": t.get("fast", False),
+            "last_seen": _iso(rater.last_seen_at),
+            "revoked": rater.revoked_at is not None, "excluded": rater.excluded,
+            "exclusion_reason": rater.exclusion_reason,
         })
-    assigned = dict(session.execute(select(Assignment.item_id, func.count(Assignment.id))
-                                    .group_by(Assignment.item_id)).all())
+    active = (select(Assignment.item_id, func.count(Assignment.id))
+              .where(Assignment.released_at.is_(None)).group_by(Assignment.item_id))
+    assigned = dict(session.execute(active).all())
     voted = dict(session.execute(select(Vote.item_id, func.count(Vote.id)).group_by(Vote.item_id)).all())
     items = [{
         "id": it.id, "kind": it.kind, "prompt": it.prompt, "seed": it.seed,
         "method_a": it.method_a, "method_b": it.method_b, "target": it.target_ratings,
         "assigned": int(assigned.get(it.id, 0)), "votes": int(voted.get(it.id, 0)),
+        "excluded": it.excluded, "exclusion_reason": it.exclusion_reason,
     } for it in session.scalars(select(Item).where(Item.study_id == study_id).order_by(Item.id))]
-    return {"raters": raters, "items": items}
+    labels = dict(session.execute(select(Rater.id, Rater.label).where(Rater.study_id == study_id)).all())
+    reports = [{
+        "id": r.id, "rater": labels.get(r.rater_id), "item": r.item_id, "reason": r.reason,
+        "comment": r.comment, "time": _iso(r.created_at),
+    } for r in session.scalars(select(Report).where(Report.study_id == study_id).order_by(Report.id))]
+    return {"raters": raters, "items": items, "reports": reports}

@@ -1,31 +1,42 @@
 """``attnqat eval serve``: the rater web app (FastAPI + one small HTML/JS page) and admin view.
 
-Every URL and byte a rater sees is under this module's control: the page knows clips only as
+Every URL and byte a rater sees is under this module's control: the page knows videos only as
 ``/media/<32 hex>.mp4`` (random per study), the API speaks only of "left", "right" and "tie",
 and the study's name (which may name methods) is shown only to the admin.
 
-HTTP JSON API (errors are ``{"error": "..."}`` with the status in brackets):
+HTTP JSON API (errors are ``{"error": "..."}`` with the status in brackets, malformed requests
+included):
 
-Rater (``TOKEN`` = invite token; unknown tokens get [403]):
+Rater (``TOKEN`` = invite token; unknown or withdrawn tokens get [403]):
 
-* ``GET  /api/r/TOKEN/state``   → ``{"stage", "progress", "questions"}``; stage is
-  ``instructions`` | ``practice`` | ``rating`` | ``done`` | ``full``;
+* ``GET  /api/r/TOKEN/state``   → ``{"stage", "progress", "questions", "practice_items",
+  "load_timeout", "max_comment"}``; stage is ``instructions`` | ``practice`` | ``rating`` |
+  ``done`` | ``full``;
 * ``POST /api/r/TOKEN/start``   → fixes the rater's queue (idempotent), returns the state;
-* ``GET  /api/r/TOKEN/current`` → ``{"done": false, "assignment", "prompt", "left", "right",
-  "practice", "progress"}`` for the first unvoted item (time shown recorded on first display) or
-  ``{"done": true, "progress"}``; [409] before ``start``;
+* ``GET  /api/r/TOKEN/current`` → ``{"done": false, "assignment", "prompt", "video",
+  "duration", "practice", "progress"}`` for the first open item (time shown recorded on first
+  display; studies built before side-by-side serving give ``"left"`` and ``"right"`` instead of
+  ``"video"``) or ``{"done": true, "progress"}``; [409] before ``start``;
 * ``POST /api/r/TOKEN/vote``    ``{"assignment", "overall", "criteria": {"visual_quality",
-  "motion", "text_alignment"}}`` with values ``left`` | ``right`` | ``tie`` → ``{"ok": true,
-  "progress"}``; [403] the assignment is not this rater's, [409] already voted or never shown,
-  [422] malformed answers.
+  "motion", "text_alignment"}, "comment"}``: overall ``left`` | ``right`` | ``tie`` |
+  ``both_bad``, criteria ``left`` | ``right`` | ``tie``, comment optional → ``{"ok": true,
+  "progress"}``; [403] not this rater's, [409] already voted, never shown or released,
+  [425] before the pair could have played through (``"wait_seconds"`` says how long), [422]
+  malformed;
+* ``POST /api/r/TOKEN/report``  ``{"assignment", "reason": "not_loading" | "other",
+  "comment"}`` → ``{"ok": true, "progress"}``: the pair is skipped and the report kept for the
+  organiser.
 
-Media and pages: ``GET /media/NAME.mp4`` (only names of this study's clips, from its media folder;
-Range requests supported; no ETag or Last-Modified), ``GET /r/TOKEN`` (rater page), ``GET /``
-(enter a code), ``GET /healthz``.
+Media and pages: ``GET /media/NAME.mp4`` (only names of this study's videos, from its media
+folder; Range requests supported; no ETag or Last-Modified), ``GET /r/TOKEN`` (rater page),
+``GET /`` (enter a code), ``GET /healthz``.
 
 Admin (HTTP basic auth, any user name, the admin password): ``GET /admin`` (page),
 ``GET /admin/api/progress``, ``GET /admin/api/results``, ``GET /admin/api/votes``,
-``POST /admin/api/invites`` ``{"count": n}``.
+``GET /admin/api/export/votes.csv`` | ``votes.json`` | ``results.json`` (downloads),
+``POST /admin/api/invites`` ``{"count": n}`` (1 … 500), ``POST /admin/api/raters/LABEL/release``,
+``…/revoke``, ``…/exclude`` ``{"excluded": bool, "reason"}``,
+``POST /admin/api/items/ID/exclude`` ``{"excluded": bool, "reason"}``.
 """
 
 from __future__ import annotations
@@ -40,15 +51,17 @@ from importlib import resources
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPBasic, HTTPBasicCredentials
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.orm import sessionmaker
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import rating
-from .storage import CRITERIA, Clip, default_db_url, find_study, open_db
+from .storage import CRITERIA, Clip, Item, Video, default_db_url, find_study, open_db
 from .study import StudyConfig, write_invites
 
 MEDIA_NAME = re.compile(r"[0-9a-f]{32}\.mp4")
@@ -64,6 +77,8 @@ SECURITY_HEADERS = {
     "X-Frame-Options": "DENY",
     "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'",
 }
+#: Seconds the rater page waits for a pair to load before it offers "try again" / "skip".
+DEFAULT_LOAD_TIMEOUT = 30.0
 
 
 def _package_dir(name: str) -> Path:
@@ -79,12 +94,34 @@ BASIC_AUTH = HTTPBasic(realm="study admin")
 
 class VoteIn(BaseModel):
     assignment: str = Field(max_length=64)
-    overall: str = Field(max_length=8)
+    overall: str = Field(max_length=16)
     criteria: dict[str, str]
+    comment: str | None = Field(default=None, max_length=rating.MAX_COMMENT)
+
+
+class ReportIn(BaseModel):
+    assignment: str = Field(max_length=64)
+    reason: str = Field(max_length=40)
+    comment: str | None = Field(default=None, max_length=rating.MAX_COMMENT)
 
 
 class InvitesIn(BaseModel):
-    count: int = Field(ge=1, le=1000)
+    count: int = Field(ge=1, le=rating.MAX_INVITES)
+
+
+class ExcludeIn(BaseModel):
+    excluded: bool = True
+    reason: str | None = Field(default=None, max_length=rating.MAX_COMMENT)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """One readable line from pydantic's errors, e.g. ``count: Input should be less than or
+    equal to 500``."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "request"
+        parts.append(f"{where}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
 
 
 @dataclass
@@ -98,11 +135,17 @@ class StudyServer:
     study_dir: Path
     media_dir: Path
     admin_password: str
+    load_timeout: float = DEFAULT_LOAD_TIMEOUT
 
 
 def open_study(study_dir: str | Path, db_url: str | None = None, name: str | None = None,
-               admin_password: str | None = None) -> StudyServer:
-    """Connect to a built study (raises LookupError/FileNotFoundError with a clear message)."""
+               admin_password: str | None = None, *, release_after: float | None = None,
+               min_view: float | None = None, load_timeout: float | None = None) -> StudyServer:
+    """Connect to a built study (raises LookupError/FileNotFoundError with a clear message).
+
+    ``release_after`` (minutes) and ``min_view`` (play-throughs) override the study's declared
+    values for this server; ``load_timeout`` (seconds) is how long the page waits for a pair.
+    """
     study_dir = Path(study_dir).resolve()
     media_dir = study_dir / "media"
     if not media_dir.is_dir():
@@ -112,8 +155,14 @@ def open_study(study_dir: str | Path, db_url: str | None = None, name: str | Non
     _, Session = open_db(db_url or default_db_url(study_dir))
     with Session() as session:
         study = find_study(session, name)
-        server = StudyServer(Session, study.id, study.name, StudyConfig.from_dict(study.config),
-                             study_dir, media_dir, admin_password or secrets.token_urlsafe(12))
+        config = StudyConfig.from_dict(study.config)
+        if release_after is not None:
+            config.release_after_minutes = release_after
+        if min_view is not None:
+            config.min_view_factor = min_view
+        server = StudyServer(Session, study.id, study.name, config, study_dir, media_dir,
+                             admin_password or secrets.token_urlsafe(12),
+                             DEFAULT_LOAD_TIMEOUT if load_timeout is None else load_timeout)
     return server
 
 
@@ -121,7 +170,7 @@ def create_app(server: StudyServer) -> FastAPI:
     """The FastAPI application for one study."""
     app = FastAPI(title="Video comparison", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=_package_dir("static")), name="static")
-    Session, study_id = server.Session, server.study_id
+    Session, study_id, config = server.Session, server.study_id, server.config
     media_root = server.media_dir.resolve()
     pages = {n: _template(n) for n in ("rater.html", "landing.html", "refused.html", "admin.html")}
     questions = [{"key": q, "text": QUESTION_TEXT[q]} for q in ("overall", *CRITERIA)]
@@ -137,7 +186,23 @@ def create_app(server: StudyServer) -> FastAPI:
 
     @app.exception_handler(rating.RatingError)
     async def refused(_request: Request, exc: rating.RatingError) -> JSONResponse:
-        return JSONResponse({"error": exc.message}, status_code=exc.status)
+        body = {"error": exc.message}
+        if isinstance(exc, rating.TooEarly):
+            body["wait_seconds"] = round(exc.wait_seconds, 2)
+        return JSONResponse(body, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"error": _validation_message(exc)}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(LookupError)
+    async def not_found(_request: Request, exc: LookupError) -> JSONResponse:
+        return JSONResponse({"error": str(exc.args[0] if exc.args else exc)}, status_code=404)
 
     def admin(credentials: HTTPBasicCredentials = Depends(BASIC_AUTH)) -> None:  # noqa: B008
         if not secrets.compare_digest(credentials.password.encode(), server.admin_password.encode()):
@@ -162,14 +227,20 @@ def create_app(server: StudyServer) -> FastAPI:
         return {"ok": True}
 
     # --- rater API ---------------------------------------------------------------------------
+    with Session() as session:
+        n_practice = len(list(session.scalars(
+            select(Item.id).where(Item.study_id == study_id, Item.kind == "practice",
+                                  Item.excluded.is_(False)))))
+
     def state_of(session, rater) -> dict:  # noqa: ANN001
         return {"stage": rating.stage(session, rater), "progress": rating.progress(session, rater),
-                "questions": questions}
+                "questions": questions, "practice_items": n_practice,
+                "load_timeout": server.load_timeout, "max_comment": rating.MAX_COMMENT}
 
     @app.get("/api/r/{token}/state")
     def state(token: str) -> dict:
         with Session.begin() as session:
-            return state_of(session, rating.get_rater(session, study_id, token))
+            return state_of(session, rating.get_rater(session, study_id, token, touch=True))
 
     @app.post("/api/r/{token}/start")
     def start(token: str) -> dict:
@@ -179,35 +250,51 @@ def create_app(server: StudyServer) -> FastAPI:
     @app.get("/api/r/{token}/current")
     def current(token: str) -> dict:
         with Session.begin() as session:
-            rater = rating.get_rater(session, study_id, token)
+            rater = rating.get_rater(session, study_id, token, touch=True)
             assignment = rating.current(session, rater)
             if assignment is None:
                 return {"done": True, "progress": rating.progress(session, rater)}
             item = assignment.item
-            left, right = ((item.clip_a, item.clip_b) if assignment.a_on_left
-                           else (item.clip_b, item.clip_a))
+            shown = rating.served_media(session, assignment)
+            if shown["duration"] is None:
+                shown["duration"] = rating.play_seconds(session, assignment, media_root)
             return {"done": False, "assignment": assignment.token, "prompt": item.prompt,
-                    "left": f"/media/{left.token}.mp4", "right": f"/media/{right.token}.mp4",
-                    "practice": item.kind == "practice",
+                    **shown, "practice": item.kind == "practice",
                     "progress": rating.progress(session, rater)}
+
+    def progress_of(token: str) -> dict:
+        with Session() as session:
+            return {"ok": True,
+                    "progress": rating.progress(session, rating.get_rater(session, study_id, token))}
 
     @app.post("/api/r/{token}/vote")
     def vote(token: str, body: VoteIn) -> dict:
         with Session.begin() as session:
-            rater = rating.get_rater(session, study_id, token)
-            rating.record_vote(session, rater, body.assignment, body.overall, body.criteria)
-        with Session() as session:
-            rater = rating.get_rater(session, study_id, token)
-            return {"ok": True, "progress": rating.progress(session, rater)}
+            rater = rating.get_rater(session, study_id, token, touch=True)
+            rating.record_vote(session, rater, body.assignment, body.overall, body.criteria,
+                               body.comment, min_view_factor=config.min_view_factor,
+                               media_dir=media_root)
+        return progress_of(token)
+
+    @app.post("/api/r/{token}/report")
+    def report(token: str, body: ReportIn) -> dict:
+        with Session.begin() as session:
+            rater = rating.get_rater(session, study_id, token, touch=True)
+            rating.report_problem(session, rater, body.assignment, body.reason, body.comment)
+        return progress_of(token)
 
     # --- media -------------------------------------------------------------------------------
     @app.get("/media/{name}")
     def clip(name: str) -> FileResponse:
         if not MEDIA_NAME.fullmatch(name):
             raise HTTPException(404, "not found")
+        token = name[:-4]
         with Session() as session:
-            known = session.scalar(select(Clip.id).where(Clip.token == name[:-4],
-                                                         Clip.study_id == study_id))
+            known = session.scalar(select(Video.id).where(Video.token == token,
+                                                          Video.study_id == study_id))
+            if known is None:  # a study built before side-by-side serving
+                known = session.scalar(select(Clip.id).where(Clip.token == token,
+                                                             Clip.study_id == study_id))
         path = (media_root / name).resolve()
         if known is None or path.parent != media_root or not path.is_file():
             raise HTTPException(404, "not found")
@@ -228,22 +315,46 @@ def create_app(server: StudyServer) -> FastAPI:
         from .results import progress_tables
 
         with Session() as session:
-            return {"study": server.name, **progress_tables(session, study_id)}
+            return {"study": server.name, "invite_limit": rating.MAX_INVITES,
+                    **progress_tables(session, study_id, config)}
 
-    @app.get("/admin/api/results", dependencies=[Depends(admin)])
-    def admin_results() -> dict:
+    def analysis() -> dict:
         from .results import analyze, json_safe, load_votes
 
         with Session() as session:
             votes = load_votes(session, study_id)
-        return json_safe(analyze(votes, server.config))
+        return json_safe(analyze(votes, config))
 
-    @app.get("/admin/api/votes", dependencies=[Depends(admin)])
-    def admin_votes() -> list[dict]:
+    @app.get("/admin/api/results", dependencies=[Depends(admin)])
+    def admin_results() -> dict:
+        return analysis()
+
+    def vote_rows() -> list[dict]:
         from .results import load_votes
 
         with Session() as session:
             return [v.flat() for v in load_votes(session, study_id)]
+
+    @app.get("/admin/api/votes", dependencies=[Depends(admin)])
+    def admin_votes() -> list[dict]:
+        return vote_rows()
+
+    @app.get("/admin/api/export/{name}", dependencies=[Depends(admin)])
+    def admin_export(name: str) -> Response:
+        import json
+
+        from .report import votes_csv
+
+        if name == "votes.csv":
+            body, kind = votes_csv(vote_rows()), "text/csv; charset=utf-8"
+        elif name == "votes.json":
+            body, kind = json.dumps(vote_rows(), indent=1, ensure_ascii=False), "application/json"
+        elif name == "results.json":
+            body, kind = json.dumps(analysis(), indent=1, ensure_ascii=False), "application/json"
+        else:
+            raise HTTPException(404, "exports: votes.csv, votes.json, results.json")
+        return Response(body, media_type=kind, headers={
+            "Content-Disposition": f'attachment; filename="{name}"'})
 
     @app.post("/admin/api/invites", dependencies=[Depends(admin)])
     def admin_invites(body: InvitesIn) -> dict:
@@ -251,6 +362,31 @@ def create_app(server: StudyServer) -> FastAPI:
         write_invites(server.study_dir, invites)
         return {"invites": [{"label": label, "token": token, "link": f"/r/{token}"}
                             for label, token in invites]}
+
+    @app.post("/admin/api/raters/{label}/{action}", dependencies=[Depends(admin)])
+    def admin_rater(label: str, action: str, body: ExcludeIn | None = None) -> dict:
+        with Session.begin() as session:
+            rater = rating.find_rater(session, study_id, label)
+            if action == "release":
+                released = rating.release_assignments(session, rater, "released")
+            elif action == "revoke":
+                released = rating.revoke_rater(session, rater)
+            elif action == "exclude":
+                body = body or ExcludeIn()
+                rating.set_rater_excluded(rater, body.excluded, body.reason)
+                released = 0
+            else:
+                raise HTTPException(404, "rater actions: release, revoke, exclude")
+            return {"ok": True, "rater": label, "released": released,
+                    "revoked": rater.revoked_at is not None, "excluded": rater.excluded}
+
+    @app.post("/admin/api/items/{item_id}/exclude", dependencies=[Depends(admin)])
+    def admin_item(item_id: int, body: ExcludeIn | None = None) -> dict:
+        body = body or ExcludeIn()
+        with Session.begin() as session:
+            item = rating.find_item(session, study_id, item_id)
+            released = rating.set_item_excluded(session, item, body.excluded, body.reason)
+            return {"ok": True, "item": item_id, "excluded": item.excluded, "released": released}
 
     return app
 
@@ -269,6 +405,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-password", default=None,
                         help="password of the /admin view; if omitted, $ATTNQAT_ADMIN_PASSWORD, "
                              "else a random one printed at start")
+    parser.add_argument("--release-after", type=float, default=None, metavar="MINUTES",
+                        help="give an inactive rater's open items back to the pool after this "
+                             "many minutes (0: never); if omitted, the study's declared value")
+    parser.add_argument("--min-view", type=float, default=None, metavar="PLAYS",
+                        help="refuse votes until the pair has been on screen this many times its "
+                             "length (0: no minimum); if omitted, the study's declared value")
+    parser.add_argument("--load-timeout", type=float, default=DEFAULT_LOAD_TIMEOUT,
+                        metavar="SECONDS",
+                        help="seconds the rater page waits for a pair to load before offering "
+                             "'try again' and 'report and skip'")
     parser.add_argument("--log-level", default="warning",
                         choices=["critical", "error", "warning", "info", "debug"],
                         help="server log level")
@@ -279,8 +425,16 @@ def run(args: argparse.Namespace) -> int:
 
     password = args.admin_password or os.environ.get("ATTNQAT_ADMIN_PASSWORD")
     try:
-        server = open_study(args.study, args.db, args.name, password)
-    except (LookupError, FileNotFoundError) as exc:
+        for option, value in (("--release-after", args.release_after),
+                              ("--min-view", args.min_view)):
+            if value is not None and value < 0:
+                raise ValueError(f"{option} must be 0 or positive")
+        if args.load_timeout <= 0:
+            raise ValueError("--load-timeout must be positive")
+        server = open_study(args.study, args.db, args.name, password,
+                            release_after=args.release_after, min_view=args.min_view,
+                            load_timeout=args.load_timeout)
+    except (LookupError, FileNotFoundError, ValueError) as exc:
         print(f"attnqat eval serve: {exc}", file=sys.stderr)
         return 2
     app = create_app(server)

@@ -14,9 +14,15 @@ Why these tests:
   are not independent (same content, several raters), so the TOST runs on per-prompt mean scores
   (one number per prompt, a one-sample t-test each side), and every bootstrap resamples prompts,
   not votes.
+* "Not worse than" is a non-inferiority claim: the lower one-sided test alone (Δ > −δ).
+* A verdict needs data: fewer than ``min_prompts`` prompts, or per-prompt means without any
+  spread (the t-test then has no error estimate and would return p = 0), give "not enough data",
+  not "equivalent". Cells without votes give NaN ("no data"), not p = 1.
 * A position-bias test (left vs right among decisive votes) checks the counterbalancing.
 * Krippendorff's alpha with the ordinal metric (lose < tie < win) measures agreement between raters
-  on the same items; it handles any number of raters per item and missing ratings.
+  on the same items; it handles any number of raters per item and missing ratings. Random answers
+  average to Δ ≈ 0, so an "equivalent" verdict with agreement near chance (α ≈ 0) may be noise:
+  the analysis warns about it.
 """
 
 from __future__ import annotations
@@ -51,10 +57,10 @@ def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[f
 
 
 def sign_test(wins: int, losses: int) -> float:
-    """Two-sided exact sign test p-value of wins vs losses (ties excluded); 1.0 with no data."""
+    """Two-sided exact sign test p-value of wins vs losses (ties excluded); NaN with no data."""
     n = wins + losses
     if n == 0:
-        return 1.0
+        return math.nan
     return float(_st.binomtest(wins, n, 0.5, alternative="two-sided").pvalue)
 
 
@@ -67,9 +73,21 @@ def position_bias_test(n_left: int, n_right: int) -> float:
 # Equivalence (TOST)
 # --------------------------------------------------------------------------------------------
 
+#: Verdicts of a margin test.
+NOT_ENOUGH_DATA = "not enough data"
+
+
 @dataclass(frozen=True)
 class TostResult:
-    """Two one-sided t-tests of ``lower < mean < upper`` with ``lower = -margin``, ``upper = margin``."""
+    """A margin test of the mean of per-prompt scores.
+
+    ``test`` is ``equivalence`` (two one-sided t-tests of −margin < mean < margin) or
+    ``non-inferiority`` (one one-sided test of mean > −margin; ``p_upper`` is NaN). Either way
+    the decision is read off the (1 − 2 alpha) t interval ``[ci_low, ci_high]``: equivalence when
+    it lies inside (−margin, margin), non-inferiority when ``ci_low`` > −margin. ``passed`` is
+    None and ``verdict`` "not enough data" when the data cannot support a verdict (``note`` says
+    why).
+    """
 
     n: int
     mean: float
@@ -78,44 +96,75 @@ class TostResult:
     margin: float
     alpha: float
     p_lower: float  # H0: mean <= -margin
-    p_upper: float  # H0: mean >= +margin
-    p: float  # max of the two
-    equivalent: bool  # p < alpha
-    ci_low: float  # the (1 - 2 alpha) t interval; equivalence <=> it lies inside (-margin, margin)
+    p_upper: float  # H0: mean >= +margin (equivalence only)
+    p: float  # the test's p-value: max of the two (equivalence) or p_lower (non-inferiority)
+    passed: bool | None
+    ci_low: float  # the (1 - 2 alpha) t interval
     ci_high: float
+    test: str = "equivalence"
+    verdict: str = ""
+    note: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def tost_mean(values: Sequence[float], margin: float, alpha: float = 0.05) -> TostResult:
-    """TOST for the mean of ``values`` being within ``±margin`` (one-sample t-tests).
-
-    With zero spread the t statistic is undefined; the mean is then known exactly and each
-    one-sided p-value is 0 or 1 depending on which side of the bound it lies.
-    """
+def _margin_test(values: Sequence[float], margin: float, alpha: float, test: str,
+                 min_n: int) -> TostResult:
     if margin <= 0:
-        raise ValueError("the equivalence margin must be positive")
+        raise ValueError("the margin must be positive")
+    if test not in ("equivalence", "non-inferiority"):
+        raise ValueError(f"unknown test {test!r}")
     x = np.asarray(values, dtype=float)
     n = int(x.size)
+    nan = math.nan
+    mean = float(x.mean()) if n else nan
     if n < 2:
-        nan = math.nan
-        return TostResult(n, float(x.mean()) if n else nan, nan, max(n - 1, 0), margin, alpha,
-                          1.0, 1.0, 1.0, False, nan, nan)
-    mean = float(x.mean())
+        return TostResult(n, mean, nan, max(n - 1, 0), margin, alpha, nan, nan, nan, None, nan,
+                          nan, test, NOT_ENOUGH_DATA,
+                          "no prompt with votes" if n == 0 else "one prompt: no spread to test")
     se = float(x.std(ddof=1) / math.sqrt(n))
     df = n - 1
     if se == 0.0:
-        p_lower = 0.0 if mean > -margin else 1.0
-        p_upper = 0.0 if mean < margin else 1.0
-        lo = hi = mean
-    else:
-        p_lower = float(_st.t.sf((mean + margin) / se, df))
-        p_upper = float(_st.t.cdf((mean - margin) / se, df))
-        q = float(_st.t.ppf(1 - alpha, df))
-        lo, hi = mean - q * se, mean + q * se
-    p = max(p_lower, p_upper)
-    return TostResult(n, mean, se, df, margin, alpha, p_lower, p_upper, p, p < alpha, lo, hi)
+        return TostResult(n, mean, 0.0, df, margin, alpha, nan, nan, nan, None, mean, mean, test,
+                          NOT_ENOUGH_DATA,
+                          "every prompt has the same mean score: the t-test has no error "
+                          "estimate (it would claim p = 0)")
+    p_lower = float(_st.t.sf((mean + margin) / se, df))
+    p_upper = float(_st.t.cdf((mean - margin) / se, df)) if test == "equivalence" else nan
+    p = max(p_lower, p_upper) if test == "equivalence" else p_lower
+    q = float(_st.t.ppf(1 - alpha, df))
+    lo, hi = mean - q * se, mean + q * se
+    name = "equivalent" if test == "equivalence" else "non-inferior"
+    if n < min_n:
+        return TostResult(n, mean, se, df, margin, alpha, p_lower, p_upper, p, None, lo, hi, test,
+                          NOT_ENOUGH_DATA, f"{n} prompts; a verdict needs at least {min_n}")
+    passed = bool(p < alpha)
+    return TostResult(n, mean, se, df, margin, alpha, p_lower, p_upper, p, passed, lo, hi, test,
+                      name if passed else f"not shown {name}")
+
+
+def tost_mean(values: Sequence[float], margin: float, alpha: float = 0.05, *,
+              min_n: int = 2) -> TostResult:
+    """TOST for the mean of ``values`` being within ``±margin`` (one-sample t-tests).
+
+    Fewer than ``min_n`` values (at least 2), or values without spread, give ``passed=None``
+    ("not enough data"); the p-values are still reported when they exist.
+    """
+    return _margin_test(values, margin, alpha, "equivalence", max(2, min_n))
+
+
+def noninferiority_mean(values: Sequence[float], margin: float, alpha: float = 0.05, *,
+                        min_n: int = 2) -> TostResult:
+    """One-sided t-test that the mean of ``values`` is above ``−margin`` (same data rules as
+    :func:`tost_mean`)."""
+    return _margin_test(values, margin, alpha, "non-inferiority", max(2, min_n))
+
+
+def margin_test(values: Sequence[float], margin: float, alpha: float = 0.05, *,
+                test: str = "equivalence", min_n: int = 2) -> TostResult:
+    """:func:`tost_mean` or :func:`noninferiority_mean`, by name."""
+    return _margin_test(values, margin, alpha, test, max(2, min_n))
 
 
 # --------------------------------------------------------------------------------------------
@@ -270,6 +319,20 @@ def check_scores(answers: Iterable[tuple[Hashable, str, str]]) -> dict[Hashable,
     return {r: CheckScore(a, c) for r, (a, c) in tally.items()}
 
 
+def exclusion_rule_error_rates(n_checks: int, min_accuracy: float, *, p_random: float = 1 / 3,
+                               p_careful: float = 0.95) -> tuple[float, float]:
+    """How well the exclusion rule separates raters who answered ``n_checks`` check items:
+    (probability that a rater answering at random — right with probability ``p_random`` per
+    check — is kept, probability that a careful rater — right with ``p_careful`` — is excluded).
+    A rater is kept when correct / n_checks >= min_accuracy."""
+    if n_checks <= 0:
+        return (1.0, 0.0)
+    k_min = math.ceil(min_accuracy * n_checks - 1e-12)  # fewest correct answers that keep
+    keep_random = float(_st.binom.sf(k_min - 1, n_checks, p_random))
+    drop_careful = float(_st.binom.cdf(k_min - 1, n_checks, p_careful))
+    return keep_random, drop_careful
+
+
 def excluded_raters(scores: Mapping[Hashable, CheckScore], min_accuracy: float,
                     min_checks: int = 1) -> set[Hashable]:
     """The exclusion rule: a rater who answered at least ``min_checks`` check items and got less
@@ -283,19 +346,27 @@ def excluded_raters(scores: Mapping[Hashable, CheckScore], min_accuracy: float,
 # The whole summary of one comparison
 # --------------------------------------------------------------------------------------------
 
+#: Fewer decisive votes than this make the win rate and the sign test weak; the summary says so.
+FEW_DECISIVE = 10
+
+
 def summarize_wtl(outcomes: Sequence[str], clusters: Sequence[Hashable], *, margin: float,
                   alpha: float = 0.05, n_boot: int = 2000, seed: int = 0,
-                  confidence: float = 0.95) -> dict:
+                  confidence: float = 0.95, test: str = "equivalence", min_prompts: int = 2
+                  ) -> dict:
     """Everything the report says about one comparison: counts, shares with Wilson and prompt
-    bootstrap intervals, decisive win rate, exact sign test, and the TOST on per-prompt means."""
+    bootstrap intervals, decisive win rate, exact sign test, the margin test (TOST or
+    non-inferiority) on per-prompt means with its deciding (1 − 2 alpha) interval, and warnings
+    about what the data cannot support."""
     keys, counts = counts_by_cluster(outcomes, clusters)
     total = counts.sum(axis=0) if counts.size else np.zeros(3, dtype=np.int64)
     w, t, l_ = (int(v) for v in total)
     n = w + t + l_
     point = {k: float(v) for k, v in _wtl_statistics(total.astype(float)).items()} if n else {}
     boot = bootstrap_clusters(counts, n_boot=n_boot, seed=seed, confidence=confidence)
-    boot_tost = bootstrap_clusters(counts, n_boot=n_boot, seed=seed, confidence=1 - 2 * alpha)
-    tost = tost_mean(cluster_mean_scores(counts) if n else [], margin=margin, alpha=alpha)
+    boot_decide = bootstrap_clusters(counts, n_boot=n_boot, seed=seed, confidence=1 - 2 * alpha)
+    result = margin_test(cluster_mean_scores(counts) if n else [], margin, alpha, test=test,
+                         min_n=min_prompts)
     shares = {}
     for name, count in zip(OUTCOMES, (w, t, l_)):
         shares[name] = {
@@ -304,6 +375,15 @@ def summarize_wtl(outcomes: Sequence[str], clusters: Sequence[Hashable], *, marg
             "wilson": wilson_interval(count, n, confidence),
             "bootstrap": boot[f"{name}_share"],
         }
+    warnings = []
+    if n == 0:
+        warnings.append("no votes")
+    else:
+        if result.passed is None:
+            warnings.append(f"{result.test}: not enough data ({result.note})")
+        if w + l_ < FEW_DECISIVE:
+            warnings.append(f"only {w + l_} decisive vote(s): the win rate and the sign test "
+                            "can detect only large differences")
     return {
         "n_votes": n,
         "n_prompts": len(keys),
@@ -319,7 +399,8 @@ def summarize_wtl(outcomes: Sequence[str], clusters: Sequence[Hashable], *, marg
         "net_preference": {
             "estimate": point.get("net_preference", math.nan),
             "bootstrap": boot["net_preference"],
-            "bootstrap_tost_interval": boot_tost["net_preference"],
+            "bootstrap_decision_interval": boot_decide["net_preference"],
         },
-        "equivalence": tost.as_dict(),
+        "margin_test": result.as_dict(),
+        "warnings": warnings,
     }

@@ -5,17 +5,24 @@ study's media, in WAL mode so the rater app can read while a vote is written) an
 SQLAlchemy URL (Postgres works unchanged). The schema is the record of the study:
 
 * ``studies``      — one row per study, with its declared configuration (JSON);
-* ``clips``        — every served clip under its opaque name, and which method made it;
+* ``clips``        — the source of each side of each item (method, prompt, file, degraded); in
+                     studies built before side-by-side serving, also the served file (``token``);
 * ``items``        — what a rater compares: (prompt, seed, method A, method B), kind and expected
-                     answer for check items;
-* ``raters``       — invite tokens;
-* ``assignments``  — a rater's queue: item, position, and whether A is shown on the left;
+                     answer for check items; the organiser can exclude an item;
+* ``videos``       — the served files: one side-by-side video per item and display order;
+* ``raters``       — invite tokens; revoked / excluded by the organiser; last activity;
+* ``assignments``  — a rater's queue: item, position, whether A is shown on the left, when it was
+                     first shown, and when (and why) it was released without a vote;
 * ``votes``        — one per assignment (a unique constraint: a vote is never counted twice),
-                     with the displayed order, time shown, time voted, the overall answer and the
-                     per-criterion answers, both as clicked (left/right/tie) and resolved to the
-                     item's methods (a/b/tie).
+                     with the displayed order, time shown, time voted, seconds from display to
+                     vote, the overall answer and the per-criterion answers, both as clicked
+                     (left/right/tie) and resolved to the item's methods (a/b/tie), "both are bad"
+                     (an overall tie) and the rater's optional comment;
+* ``reports``      — problems raters reported (a pair that does not load), for the organiser.
 
-Times are naive UTC (SQLite keeps no time zone).
+Times are naive UTC (SQLite keeps no time zone). :func:`open_db` brings a database written by an
+earlier version up to this schema by adding the missing tables and columns (old rows get the
+columns' defaults); nothing is dropped or rewritten.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from typing import Any
 from sqlalchemy import (
     Boolean,
     DateTime,
+    Float,
     ForeignKey,
     Integer,
     String,
@@ -35,14 +43,19 @@ from sqlalchemy import (
     UniqueConstraint,
     create_engine,
     event,
+    false,
+    inspect,
+    text,
 )
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, sessionmaker
 
 #: The per-criterion questions every vote answers besides the overall preference.
 CRITERIA: tuple[str, ...] = ("visual_quality", "motion", "text_alignment")
-#: What a rater can click, for the overall answer and for each criterion.
+#: What a rater can click, for each criterion; the overall question adds :data:`BOTH_BAD`.
 SIDES: tuple[str, ...] = ("left", "right", "tie")
+#: The overall answer "both are bad": stored as a tie with ``votes.both_bad`` set.
+BOTH_BAD = "both_bad"
 #: Item kinds. ``main`` items are the study; checks measure raters; practice is discarded.
 ITEM_KINDS: tuple[str, ...] = ("main", "check_identical", "check_degraded", "practice")
 
@@ -84,6 +97,20 @@ class Clip(Base):
     degraded: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
+class Video(Base):
+    """A served file: item ``item_id`` side by side, A on the left when ``a_on_left``."""
+
+    __tablename__ = "videos"
+    __table_args__ = (UniqueConstraint("item_id", "a_on_left", name="uq_video_item_order"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("studies.id"), index=True)
+    item_id: Mapped[int] = mapped_column(ForeignKey("items.id"), index=True)
+    a_on_left: Mapped[bool] = mapped_column(Boolean)
+    token: Mapped[str] = mapped_column(String(64), unique=True, index=True)  # served name, no suffix
+    duration_s: Mapped[float] = mapped_column(Float)
+
+
 class Item(Base):
     __tablename__ = "items"
 
@@ -98,6 +125,8 @@ class Item(Base):
     clip_b_id: Mapped[int] = mapped_column(ForeignKey("clips.id"))
     expected: Mapped[str | None] = mapped_column(String(4), nullable=True)  # a / b / tie for checks
     target_ratings: Mapped[int] = mapped_column(Integer)
+    excluded: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    exclusion_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     clip_a: Mapped[Clip] = relationship(foreign_keys=[clip_a_id])
     clip_b: Mapped[Clip] = relationship(foreign_keys=[clip_b_id])
@@ -112,6 +141,10 @@ class Rater(Base):
     label: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    last_seen_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    excluded: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    exclusion_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Assignment(Base):
@@ -128,6 +161,11 @@ class Assignment(Base):
     position: Mapped[int] = mapped_column(Integer)
     a_on_left: Mapped[bool] = mapped_column(Boolean)
     shown_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    #: Set when the assignment left the queue without a vote; the reason is one of
+    #: ``inactive`` (no activity for the study's release time), ``released`` / ``revoked`` /
+    #: ``excluded`` (organiser actions), ``broken`` (the rater reported the pair).
+    released_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    release_reason: Mapped[str | None] = mapped_column(String(20), nullable=True)
 
     item: Mapped[Item] = relationship()
     rater: Mapped[Rater] = relationship()
@@ -151,8 +189,26 @@ class Vote(Base):
     motion: Mapped[str] = mapped_column(String(4))
     text_alignment_side: Mapped[str] = mapped_column(String(5))
     text_alignment: Mapped[str] = mapped_column(String(4))
+    both_bad: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    comment: Mapped[str | None] = mapped_column(Text, nullable=True)
+    view_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     assignment: Mapped[Assignment] = relationship()
+
+
+class Report(Base):
+    """A problem a rater reported with an item (e.g. the videos do not load)."""
+
+    __tablename__ = "reports"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    study_id: Mapped[int] = mapped_column(ForeignKey("studies.id"), index=True)
+    assignment_id: Mapped[int] = mapped_column(ForeignKey("assignments.id"), index=True)
+    rater_id: Mapped[int] = mapped_column(ForeignKey("raters.id"), index=True)
+    item_id: Mapped[int] = mapped_column(ForeignKey("items.id"), index=True)
+    reason: Mapped[str] = mapped_column(String(40))
+    comment: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime, default=utcnow)
 
 
 def default_db_url(study_dir: str | Path) -> str:
@@ -192,8 +248,46 @@ def make_engine(url: str) -> Engine:
 
 
 def init_db(engine: Engine) -> None:
-    """Create the tables that do not exist yet."""
+    """Create the tables that do not exist yet and add the columns an older version lacked."""
     Base.metadata.create_all(engine)
+    upgrade_schema(engine)
+
+
+def missing_columns(engine: Engine) -> list[tuple[str, str]]:
+    """(table, column) of this schema that the database's existing tables lack."""
+    present = inspect(engine)
+    out = []
+    for table in Base.metadata.sorted_tables:
+        if not present.has_table(table.name):
+            continue
+        have = {c["name"] for c in present.get_columns(table.name)}
+        out += [(table.name, c.name) for c in table.columns if c.name not in have]
+    return out
+
+
+def upgrade_schema(engine: Engine) -> list[tuple[str, str]]:
+    """Add the columns of this schema that an older database lacks (``ALTER TABLE … ADD
+    COLUMN``, nullable or with the column's server default); returns what was added. Every
+    column added since the first release is nullable or has a server default, so old rows stay
+    valid. Safe to run concurrently: a column another process added meanwhile is skipped."""
+    added = []
+    for table_name, column_name in missing_columns(engine):
+        column = Base.metadata.tables[table_name].columns[column_name]
+        ddl = (f"ALTER TABLE {table_name} ADD COLUMN {column_name} "
+               f"{column.type.compile(dialect=engine.dialect)}")
+        if column.server_default is not None:
+            default = column.server_default.arg
+            default = default.compile(dialect=engine.dialect) if hasattr(default, "compile") else default
+            ddl += f" DEFAULT {default}"
+        try:
+            with engine.begin() as conn:
+                conn.execute(text(ddl))
+        except Exception:  # noqa: BLE001 - added by a concurrent process? then it is there now
+            if (table_name, column_name) in missing_columns(engine):
+                raise
+            continue
+        added.append((table_name, column_name))
+    return added
 
 
 def session_factory(engine: Engine) -> sessionmaker:

@@ -9,9 +9,21 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
+from datetime import timedelta
+
 from attnqat.eval import rating, sources
 from attnqat.eval.demo import write_demo_outputs
-from attnqat.eval.storage import Assignment, Item, Study, Vote, default_db_url, open_db, utcnow
+from attnqat.eval.storage import (
+    Assignment,
+    Item,
+    Rater,
+    Report,
+    Study,
+    Vote,
+    default_db_url,
+    open_db,
+    utcnow,
+)
 from attnqat.eval.study import StudyConfig, build_study
 
 CRIT = {"visual_quality": "tie", "motion": "left", "text_alignment": "right"}
@@ -91,8 +103,9 @@ def test_ratings_per_item_bound_and_full_study(template, tmp_path):
                            if kinds[a.item_id] == "main")
     assert max(per_item.values()) <= 2  # never more than k ratings planned per item
     assert sum(per_item.values()) == 2 * n_main  # every item reaches k
-    # 10 items × 2 ratings at 4 per rater: five raters fill the study, the rest find it full.
-    assert started == [True] * 5 + [False] * 3
+    # n items × 2 ratings at 4 per rater: that many raters fill the study, the rest find it full.
+    needed = -(-2 * n_main // 4)
+    assert started == [True] * needed + [False] * (8 - needed)
     with Session() as s:
         late = rating.get_rater(s, sid, invites[-1][1])
         assert rating.stage(s, late) == "full"
@@ -182,3 +195,141 @@ def test_database_refuses_a_second_vote_for_one_assignment(template, tmp_path):
         s.add(Vote(**fields))
     with pytest.raises(IntegrityError), Session.begin() as s:
         s.add(Vote(**fields))
+
+
+def _vote(Session, sid, token, tok, overall="tie", criteria=CRIT, **kw):
+    with Session.begin() as s:
+        return rating.record_vote(s, rating.get_rater(s, sid, token), tok, overall, criteria, **kw)
+
+
+def _current(Session, sid, token):
+    with Session.begin() as s:
+        a = rating.current(s, rating.get_rater(s, sid, token))
+        return None if a is None else (a.token, a.item_id, a.shown_at)
+
+
+def test_both_bad_comment_and_view_time_are_stored(template, tmp_path):
+    Session, sid = _open(template, tmp_path)
+    (_, token), = rating.add_raters(Session, sid, 1)
+    rating.start(Session, sid, token)
+    tok, _, shown = _current(Session, sid, token)
+    vote = _vote(Session, sid, token, tok, "both_bad", comment="  both blurry  ",
+                 now=shown + timedelta(seconds=4.5))
+    assert vote.both_bad and vote.overall == "tie" and vote.overall_side == "tie"
+    assert vote.comment == "both blurry" and vote.view_seconds == pytest.approx(4.5)
+    tok, _, _ = _current(Session, sid, token)
+    with pytest.raises(rating.InvalidVote, match="longer than"):
+        _vote(Session, sid, token, tok, comment="x" * (rating.MAX_COMMENT + 1))
+    with pytest.raises(rating.InvalidVote, match="overall"):
+        _vote(Session, sid, token, tok, "bad")
+
+
+def test_minimum_viewing_time_is_enforced_server_side(template, tmp_path):
+    Session, sid = _open(template, tmp_path)
+    (_, token), = rating.add_raters(Session, sid, 1)
+    rating.start(Session, sid, token)
+    tok, _, shown = _current(Session, sid, token)
+    with Session() as s:
+        duration = rating.play_seconds(s, s.scalar(select(Assignment).where(Assignment.token == tok)))
+    assert duration == pytest.approx(17 / 8)  # the demo clips: 17 frames at 8 fps
+    with pytest.raises(rating.TooEarly) as refused:
+        _vote(Session, sid, token, tok, min_view_factor=1.0, now=shown + timedelta(seconds=0.05))
+    assert refused.value.status == 425
+    assert refused.value.wait_seconds == pytest.approx(duration - 0.05)
+    with pytest.raises(rating.TooEarly):  # two play-throughs asked for
+        _vote(Session, sid, token, tok, min_view_factor=2.0, now=shown + timedelta(seconds=3))
+    vote = _vote(Session, sid, token, tok, min_view_factor=1.0,
+                 now=shown + timedelta(seconds=duration + 0.01))
+    assert vote.view_seconds == pytest.approx(duration + 0.01)
+
+
+def test_inactive_queues_are_released_and_given_back(template, tmp_path):
+    Session, sid = _open(template, tmp_path, ratings_per_item=1, items_per_rater=3,
+                         release_after_minutes=30)
+    (_, idle), (_, busy), (_, late) = rating.add_raters(Session, sid, 3)
+    assert rating.start(Session, sid, idle, seed=1)
+    tok, _, shown = _current(Session, sid, idle)
+    _vote(Session, sid, idle, tok)
+    with Session() as s:
+        idle_id = rating.get_rater(s, sid, idle).id
+        mine = {a.item_id for a in s.scalars(select(Assignment).where(
+            Assignment.rater_id == idle_id))}
+    # Not yet stale: nothing is released.
+    with Session.begin() as s:
+        assert rating.release_inactive(s, sid, 30) == 0
+    # 31 minutes without activity: the open items go back to the pool, the vote stays.
+    with Session.begin() as s:
+        rater = s.scalar(select(Rater).where(Rater.token == idle))
+        rater.last_seen_at = utcnow() - timedelta(minutes=31)
+    assert rating.start(Session, sid, busy, seed=2)  # starting a queue releases stale ones
+    assert rating.start(Session, sid, late, seed=3)
+    with Session() as s:
+        released = list(s.scalars(select(Assignment).where(Assignment.rater_id == idle_id,
+                                                           Assignment.release_reason == "inactive")))
+        assert released and all(a.released_at is not None for a in released)
+        assert s.query(Vote).count() == 1
+        others = {a.item_id for a in s.scalars(select(Assignment).join(Rater).where(
+            Rater.token.in_([busy, late])))}
+        kinds = {it.id: it.kind for it in s.scalars(select(Item))}
+    # The freed main items went to the next raters (each item needs only one rating).
+    freed_main = {a.item_id for a in released if kinds[a.item_id] == "main"}
+    assert freed_main and freed_main <= others
+    with Session.begin() as s:  # a released assignment takes no vote
+        with pytest.raises(rating.Released):
+            rating.record_vote(s, rating.get_rater(s, sid, idle), released[0].token, "tie", CRIT)
+    # The idle rater returns: they get back what nobody else took (here: practice and checks).
+    back = _current(Session, sid, idle)
+    with Session() as s:
+        reopened = {a.item_id for a in s.scalars(select(Assignment).where(
+            Assignment.rater_id == idle_id, Assignment.released_at.is_(None)))}
+    assert back is not None and back[1] in reopened
+    assert not (reopened & freed_main)
+    assert reopened <= mine
+
+
+def test_organiser_release_revoke_and_exclude(template, tmp_path):
+    Session, sid = _open(template, tmp_path)
+    (label, alice), (_, bob) = rating.add_raters(Session, sid, 2)
+    rating.start(Session, sid, alice)
+    rating.start(Session, sid, bob)
+    with Session.begin() as s:
+        n = rating.release_assignments(s, rating.find_rater(s, sid, label), "released")
+        assert n > 0
+    assert _current(Session, sid, alice) is None  # released by the organiser: not given back
+    with Session.begin() as s:
+        rating.revoke_rater(s, rating.find_rater(s, sid, label))
+    with Session() as s, pytest.raises(rating.UnknownRater, match="withdrawn"):
+        rating.get_rater(s, sid, alice)
+    # Excluding an item releases its open assignments; nobody is given it any more.
+    tok, item_id, _ = _current(Session, sid, bob)
+    with Session.begin() as s:
+        assert rating.set_item_excluded(s, rating.find_item(s, sid, item_id), True, "broken clip") == 1
+    assert _current(Session, sid, bob)[1] != item_id
+    (_, carol), = rating.add_raters(Session, sid, 1)
+    rating.start(Session, sid, carol)
+    with Session() as s:
+        carols = {a.item_id for a in s.scalars(select(Assignment).join(Rater).where(
+            Rater.token == carol))}
+    assert item_id not in carols
+    with Session() as s, pytest.raises(LookupError, match="no rater"):
+        rating.find_rater(s, sid, "nobody")
+
+
+def test_report_problem_skips_the_pair_and_keeps_the_report(template, tmp_path):
+    Session, sid = _open(template, tmp_path)
+    (_, token), = rating.add_raters(Session, sid, 1)
+    rating.start(Session, sid, token)
+    first, item_id, _ = _current(Session, sid, token)
+    with Session.begin() as s:
+        rater = rating.get_rater(s, sid, token)
+        with pytest.raises(rating.InvalidVote, match="reason"):
+            rating.report_problem(s, rater, first, "ugly")
+        rating.report_problem(s, rater, first, "not_loading", "spinner forever")
+    nxt, _, _ = _current(Session, sid, token)
+    assert nxt != first
+    with Session() as s:
+        (report,) = s.scalars(select(Report))
+        assert (report.item_id, report.reason, report.comment) == (item_id, "not_loading",
+                                                                  "spinner forever")
+    with pytest.raises(rating.Released):
+        _vote(Session, sid, token, first)

@@ -97,6 +97,19 @@ def test_report_reproduces_known_votes(voted_study, capsys):
     md = (out / "report.md").read_text()
     assert "### attnqat vs bf16" in md and "rater-003 | 0 |" not in md
     assert "Excluded: rater-003" in md
+    # Two prompts per pair are far from the declared minimum of 10: no verdict, and it says so.
+    assert results["pairs"]["attnqat vs bf16"]["questions"]["overall"]["margin_test"]["verdict"] \
+        == "not enough data"
+    assert "not enough data (2 prompts; a verdict needs at least 10)" in md
+    assert "equivalent: yes" not in md and " pp" in md
+    # The simulated raters voted the instant a pair was shown: all flagged as fast voters.
+    assert results["fast_raters"] == ["rater-001", "rater-002", "rater-003"]
+    assert all(r["fast"] for r in results["raters"].values())
+    assert "fast voters" in md
+    # With a handful of checks each, the exclusion rule cannot separate careful from random.
+    assert any("a rater answering at random passes the exclusion rule" in w
+               for w in results["warnings"])
+    assert "not enough data" in printed
 
 
 def test_exports_hold_every_raw_vote(voted_study):
@@ -135,3 +148,22 @@ def test_report_errors_are_clear(tmp_path, capsys):
     assert "--study" in capsys.readouterr().err
     assert cli_main(["eval", "report", "--study", str(tmp_path)]) == 2
     assert "no study.db" in capsys.readouterr().err
+
+
+def test_organiser_exclusions_leave_the_analysis_with_their_reason(voted_study, tmp_path):
+    from attnqat.eval.report import load_analysis
+    from attnqat.eval.storage import Rater
+
+    study, expected = voted_study
+    copy = tmp_path / "study"
+    import shutil
+    shutil.copytree(study, copy)
+    _, Session = open_db(default_db_url(copy))
+    with Session.begin() as s:
+        rater = s.scalar(select(Rater).where(Rater.label == "rater-001"))
+        rating.set_rater_excluded(rater, True, "left the room")
+    analysis, _ = load_analysis(default_db_url(copy))
+    assert analysis["excluded_by_organiser"]["raters"] == {
+        "rater-001": "rater excluded: left the room"}
+    kept = [e for e in expected if e[1] == "main" and e[0] == "rater-002"]
+    assert analysis["n_votes"]["main_after_exclusion"] == len(kept)

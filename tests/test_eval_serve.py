@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import sqlite3
-import struct
 import threading
 import time
 from pathlib import Path
@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from attnqat.cli import main as cli_main
-from attnqat.eval import sources
+from attnqat.eval import media, sources
 from attnqat.eval.demo import LocalServer, write_demo_outputs
 
 METHODS = ("bf16", "attnqat", "nvfp4")
@@ -34,7 +34,9 @@ def runs(tmp_path_factory):
 
 
 def build(runs: Path, out: Path, *extra: str) -> Path:
-    args = ["eval", "build", str(runs), "--out", str(out), "--quiet", *extra]
+    """A study of the demo runs. Votes in these tests come at once, so the minimum viewing time
+    is off unless a test asks for it (``--min-view`` in ``extra`` wins: argparse keeps the last)."""
+    args = ["eval", "build", str(runs), "--out", str(out), "--quiet", "--min-view", "0", *extra]
     assert cli_main(args) == 0
     return out
 
@@ -60,10 +62,17 @@ class RaterClient:
     def current(self) -> dict:
         return self.http.get(f"{self.base}/current").raise_for_status().json()
 
-    def vote(self, assignment: str, click: str, criteria: dict | None = None) -> httpx.Response:
-        criteria = criteria or {k: click for k in CRIT_KEYS}
-        return self.http.post(f"{self.base}/vote", json={"assignment": assignment,
-                                                          "overall": click, "criteria": criteria})
+    def vote(self, assignment: str, click: str, criteria: dict | None = None,
+             comment: str | None = None) -> httpx.Response:
+        criteria = criteria or {k: ("tie" if click == "both_bad" else click) for k in CRIT_KEYS}
+        body = {"assignment": assignment, "overall": click, "criteria": criteria}
+        if comment is not None:
+            body["comment"] = comment
+        return self.http.post(f"{self.base}/vote", json=body)
+
+    def report(self, assignment: str, reason: str = "not_loading") -> httpx.Response:
+        return self.http.post(f"{self.base}/report", json={"assignment": assignment,
+                                                            "reason": reason})
 
     def close(self) -> None:
         self.http.close()
@@ -77,18 +86,8 @@ def db_rows(study: Path, sql: str, *params) -> list[tuple]:
         con.close()
 
 
-def mp4_metadata(data: bytes) -> bytes:
-    """Every top-level MP4 box except the compressed picture data (mdat) and the trailing
-    random padding (free): what could carry names, dates or encoder strings."""
-    out, i = [], 0
-    while i < len(data):
-        size, kind = struct.unpack(">I4s", data[i:i + 8])
-        assert size >= 8
-        if kind not in (b"mdat", b"free"):
-            out.append(data[i:i + size])
-        i += size
-    assert kind == b"free"  # the size padding is last
-    return b"".join(out)
+def admin_client(server: LocalServer) -> httpx.Client:
+    return httpx.Client(base_url=server.url, auth=("admin", server.admin_password), timeout=TIMEOUT)
 
 
 # ------------------------------------------------------------------------------- end to end
@@ -136,7 +135,7 @@ def test_two_raters_end_to_end_and_report_reproduces_votes(runs, tmp_path, capsy
 @pytest.fixture(scope="module")
 def served(runs, tmp_path_factory):
     study = build(runs, tmp_path_factory.mktemp("served") / "study", "--name",
-                  "attnqat-vs-bf16-and-nvfp4", "--raters", "3")
+                  "attnqat-vs-bf16-and-nvfp4", "--raters", "3", "--ratings-per-item", "20")
     server = LocalServer(study).start()
     yield study, server
     server.stop()
@@ -201,20 +200,22 @@ def test_nothing_a_rater_receives_names_a_method(served):
         seen += [r.content, str(r.headers).encode()]
     seen.append(json.dumps(rater.state()).encode())
     seen.append(json.dumps(rater.start()).encode())
-    sizes = set()
+    sizes, layouts = set(), set()
     while not (cur := rater.current())["done"]:
         seen.append(json.dumps(cur).encode())
-        for side in ("left", "right"):
-            assert cur[side].startswith("/media/") and len(cur[side]) == len("/media/") + 36
-            clip = http.get(cur[side])
-            assert clip.status_code == 200 and clip.headers["content-type"] == "video/mp4"
-            assert "etag" not in clip.headers and "last-modified" not in clip.headers
-            sizes.add(int(clip.headers["content-length"]))
-            seen += [mp4_metadata(clip.content), str(clip.headers).encode(), cur[side].encode()]
-            last_url = cur[side]
+        assert "left" not in cur and "right" not in cur  # one side-by-side video per pair
+        assert cur["video"].startswith("/media/") and len(cur["video"]) == len("/media/") + 36
+        clip = http.get(cur["video"])
+        assert clip.status_code == 200 and clip.headers["content-type"] == "video/mp4"
+        assert "etag" not in clip.headers and "last-modified" not in clip.headers
+        sizes.add(int(clip.headers["content-length"]))
+        layout = media.container_layout_of(clip.content)
+        layouts.add(layout)
+        seen += [layout, str(clip.headers).encode(), cur["video"].encode()]
+        last_url = cur["video"]
         r = rater.vote(cur["assignment"], "tie")
         seen += [r.content, str(r.headers).encode()]
-    assert len(sizes) == 1  # every clip has the same byte size
+    assert len(sizes) == 1 and len(layouts) == 1  # every video: one size, one container
     blob = b"\n".join(seen).lower()
     for name in (*METHODS, "degraded", "check_identical", "study.db"):
         assert name.encode() not in blob, name
@@ -240,6 +241,181 @@ def test_admin_needs_the_password(served):
         assert len(new) == 2
         assert http.get(new[0]["link"]).status_code == 200  # a new invite works at once
     assert {t for _, t in invites(study)} >= {i["token"] for i in new}
+
+
+def test_errors_are_json_with_an_error_key_and_one_invite_limit(served):
+    study, server = served
+    (_, token), *_ = invites(study)
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        for body, where in [({"overall": "tie"}, "assignment"), ({"assignment": "x"}, "overall"),
+                            ({"assignment": "x", "overall": "tie", "criteria": "all"}, "criteria")]:
+            r = http.post(f"/api/r/{token}/vote", json=body)
+            assert r.status_code == 422 and where in r.json()["error"], r.text
+            assert set(r.json()) == {"error"}
+        r = http.post(f"/api/r/{token}/vote", content=b"{not json", headers={
+            "Content-Type": "application/json"})
+        assert r.status_code == 422 and "error" in r.json() and "detail" not in r.json()
+        r = http.get("/no/such/page")
+        assert r.status_code == 404 and r.json() == {"error": "Not Found"}
+    with admin_client(server) as admin:
+        limit = admin.get("/admin/api/progress").json()["invite_limit"]
+        assert limit == 500  # the admin form reads its maximum from here
+        for count in (0, limit + 1):
+            r = admin.post("/admin/api/invites", json={"count": count})
+            assert r.status_code == 422 and r.json()["error"].startswith("count:"), r.text
+        assert "500" in admin.post("/admin/api/invites", json={"count": 501}).json()["error"]
+        assert admin.get("/admin/api/export/secrets.db").status_code == 404
+        assert admin.post("/admin/api/raters/rater-001/delete").status_code == 404
+        r = admin.post("/admin/api/raters/nobody/release")
+        assert r.status_code == 404 and "no rater" in r.json()["error"]
+    with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        r = http.get("/admin/api/progress")
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic")
+
+
+def test_server_refuses_votes_before_the_pair_has_played(served):
+    study, _ = served
+    with LocalServer(study, extra_args=["--min-view", "1"]) as server, admin_client(server) as admin:
+        (new,) = admin.post("/admin/api/invites", json={"count": 1}).json()["invites"]
+        rater = RaterClient(server.url, new["token"])
+        rater.start()
+        cur = rater.current()
+        assert cur["duration"] == pytest.approx(17 / 8)
+        r = rater.vote(cur["assignment"], "left")
+        assert r.status_code == 425 and "too early" in r.json()["error"]
+        assert 0 < r.json()["wait_seconds"] <= cur["duration"]
+        time.sleep(r.json()["wait_seconds"] + 0.2)
+        assert rater.vote(cur["assignment"], "left").status_code == 200
+        rater.close()
+    seconds = db_rows(study, "SELECT v.view_seconds FROM votes v JOIN raters r ON r.id = "
+                             "v.rater_id WHERE r.token = ?", new["token"])
+    assert seconds and seconds[0][0] >= 17 / 8
+
+
+def test_reports_actions_and_exports_reach_the_admin(served):
+    study, server = served
+    with admin_client(server) as admin:
+        (a, b) = admin.post("/admin/api/invites", json={"count": 2}).json()["invites"]
+        alice, bob = RaterClient(server.url, a["token"]), RaterClient(server.url, b["token"])
+        alice.start(), bob.start()
+        broken = alice.current()
+        r = alice.report(broken["assignment"])
+        assert r.status_code == 200 and r.json()["ok"]
+        assert alice.current()["assignment"] != broken["assignment"]  # moved on
+        assert alice.report(broken["assignment"], "ugly").status_code in (409, 422)
+        cur = alice.current()
+        assert alice.vote(cur["assignment"], "both_bad", comment="both flicker").status_code == 200
+        progress = admin.get("/admin/api/progress").json()
+        (report,) = [x for x in progress["reports"] if x["rater"] == a["label"]]
+        assert report["reason"] == "not_loading"
+        # Release, revoke, exclude.
+        r = admin.post(f"/admin/api/raters/{b['label']}/release").json()
+        assert r["released"] > 0
+        assert bob.http.get(f"{bob.base}/current").json()["done"] is True
+        r = admin.post(f"/admin/api/raters/{a['label']}/exclude",
+                       json={"excluded": True, "reason": "clicked at random"}).json()
+        assert r["excluded"] is True
+        assert admin.post(f"/admin/api/raters/{a['label']}/revoke").json()["revoked"] is True
+        r = alice.http.get(f"{alice.base}/state")
+        assert r.status_code == 403 and "withdrawn" in r.json()["error"]
+        results = admin.get("/admin/api/results").json()
+        assert "clicked at random" in results["excluded_by_organiser"]["raters"][a["label"]]
+        item = progress["items"][0]["id"]
+        r = admin.post(f"/admin/api/items/{item}/exclude", json={"excluded": True}).json()
+        assert r["excluded"] is True
+        assert admin.post(f"/admin/api/items/{item}/exclude",
+                          json={"excluded": False}).json()["excluded"] is False
+        # The export buttons' downloads: every vote, with the comment and "both are bad".
+        r = admin.get("/admin/api/export/votes.csv")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+        assert r.headers["content-disposition"] == 'attachment; filename="votes.csv"'
+        rows = list(csv.DictReader(r.text.splitlines()))
+        mine = [x for x in rows if x["rater"] == a["label"]]
+        assert [(x["overall_clicked"], x["overall"], x["comment"]) for x in mine] == [
+            ("both_bad", "tie", "both flicker")]
+        assert len(rows) == len(admin.get("/admin/api/votes").json())
+        assert admin.get("/admin/api/export/results.json").json()["study"] == "attnqat-vs-bf16-and-nvfp4"
+        alice.close(), bob.close()
+
+
+# ------------------------------------------------------------------------------- old studies
+
+#: The schema of studies built before this version (one file per item side, a free box of
+#: padding), as SQLAlchemy created it: such study folders exist and must keep working.
+LEGACY_SCHEMA = """
+CREATE TABLE studies (id INTEGER NOT NULL, name VARCHAR(200) NOT NULL, created_at DATETIME NOT NULL, config_json TEXT NOT NULL, PRIMARY KEY (id), UNIQUE (name));
+CREATE TABLE clips (id INTEGER NOT NULL, study_id INTEGER NOT NULL, token VARCHAR(64) NOT NULL, method VARCHAR(100) NOT NULL, prompt TEXT NOT NULL, seed INTEGER, source TEXT NOT NULL, degraded BOOLEAN NOT NULL, PRIMARY KEY (id), FOREIGN KEY(study_id) REFERENCES studies (id));
+CREATE UNIQUE INDEX ix_clips_token ON clips (token);
+CREATE TABLE raters (id INTEGER NOT NULL, study_id INTEGER NOT NULL, token VARCHAR(64) NOT NULL, label VARCHAR(200) NOT NULL, created_at DATETIME NOT NULL, started_at DATETIME, PRIMARY KEY (id), FOREIGN KEY(study_id) REFERENCES studies (id));
+CREATE UNIQUE INDEX ix_raters_token ON raters (token);
+CREATE TABLE items (id INTEGER NOT NULL, study_id INTEGER NOT NULL, kind VARCHAR(20) NOT NULL, prompt TEXT NOT NULL, seed INTEGER, method_a VARCHAR(100) NOT NULL, method_b VARCHAR(100) NOT NULL, clip_a_id INTEGER NOT NULL, clip_b_id INTEGER NOT NULL, expected VARCHAR(4), target_ratings INTEGER NOT NULL, PRIMARY KEY (id), FOREIGN KEY(study_id) REFERENCES studies (id), FOREIGN KEY(clip_a_id) REFERENCES clips (id), FOREIGN KEY(clip_b_id) REFERENCES clips (id));
+CREATE TABLE assignments (id INTEGER NOT NULL, token VARCHAR(64) NOT NULL, rater_id INTEGER NOT NULL, item_id INTEGER NOT NULL, position INTEGER NOT NULL, a_on_left BOOLEAN NOT NULL, shown_at DATETIME, PRIMARY KEY (id), CONSTRAINT uq_assignment_rater_item UNIQUE (rater_id, item_id), CONSTRAINT uq_assignment_rater_position UNIQUE (rater_id, position), FOREIGN KEY(rater_id) REFERENCES raters (id), FOREIGN KEY(item_id) REFERENCES items (id));
+CREATE UNIQUE INDEX ix_assignments_token ON assignments (token);
+CREATE TABLE votes (id INTEGER NOT NULL, assignment_id INTEGER NOT NULL, rater_id INTEGER NOT NULL, item_id INTEGER NOT NULL, left_is_a BOOLEAN NOT NULL, shown_at DATETIME NOT NULL, voted_at DATETIME NOT NULL, overall_side VARCHAR(5) NOT NULL, overall VARCHAR(4) NOT NULL, visual_quality_side VARCHAR(5) NOT NULL, visual_quality VARCHAR(4) NOT NULL, motion_side VARCHAR(5) NOT NULL, motion VARCHAR(4) NOT NULL, text_alignment_side VARCHAR(5) NOT NULL, text_alignment VARCHAR(4) NOT NULL, PRIMARY KEY (id), UNIQUE (assignment_id), FOREIGN KEY(assignment_id) REFERENCES assignments (id), FOREIGN KEY(rater_id) REFERENCES raters (id), FOREIGN KEY(item_id) REFERENCES items (id));
+"""
+
+
+def legacy_study(runs: Path, out: Path) -> tuple[Path, str]:
+    """A study folder as the previous version wrote it: old schema, two files per item, one
+    vote already given. Returns the folder and the invite token of a rater who has not started."""
+    (out / "media").mkdir(parents=True)
+    con = sqlite3.connect(out / "study.db")
+    con.executescript(LEGACY_SCHEMA)
+    config = {"name": "legacy", "pairs": [["attnqat", "bf16"]], "ratings_per_item": 2,
+              "equivalence_margin": 0.1, "alpha": 0.05, "confidence": 0.95, "n_boot": 100,
+              "min_check_accuracy": 0.7, "min_checks": 1, "seed": 0, "items_per_rater": 0,
+              "check_fraction": 0.1, "practice_items": 0, "criteria": list(CRIT_KEYS),
+              "encode": {"width": 64, "height": 64, "fps": 8.0, "crf": 18}}
+    con.execute("INSERT INTO studies VALUES (1, 'legacy', '2026-01-01 00:00:00', ?)",
+                (json.dumps(config),))
+    folders = sorted(p for p in runs.iterdir() if p.is_dir())[:3]
+    for i, folder in enumerate(folders):
+        record = json.loads((folder / "record.json").read_text())
+        ids = []
+        for method in ("attnqat", "bf16"):
+            token = f"{i:02d}{method:0>6}".encode().hex()[:32].ljust(32, "0")
+            shutil.copyfile(folder / f"{method}.mp4", out / "media" / f"{token}.mp4")
+            cur = con.execute("INSERT INTO clips (study_id, token, method, prompt, seed, source, "
+                              "degraded) VALUES (1, ?, ?, ?, ?, ?, 0)",
+                              (token, method, record["prompt"], record["seed"], str(folder)))
+            ids.append(cur.lastrowid)
+        con.execute("INSERT INTO items (study_id, kind, prompt, seed, method_a, method_b, "
+                    "clip_a_id, clip_b_id, expected, target_ratings) VALUES (1, 'main', ?, ?, "
+                    "'attnqat', 'bf16', ?, ?, NULL, 2)", (record["prompt"], record["seed"], *ids))
+    con.execute("INSERT INTO raters VALUES (1, 1, 'old-rater', 'rater-001', '2026-01-01', "
+                "'2026-01-01 00:00:01')")
+    con.execute("INSERT INTO raters VALUES (2, 1, 'new-rater', 'rater-002', '2026-01-01', NULL)")
+    con.execute("INSERT INTO assignments VALUES (1, 'a1', 1, 1, 0, 1, '2026-01-01 00:00:02')")
+    con.execute("INSERT INTO votes VALUES (1, 1, 1, 1, 1, '2026-01-01 00:00:02', "
+                "'2026-01-01 00:00:09', 'left', 'a', 'left', 'a', 'tie', 'tie', 'right', 'b')")
+    con.commit()
+    con.close()
+    return out, "new-rater"
+
+
+def test_a_study_from_the_previous_version_opens_reports_and_serves(runs, tmp_path):
+    study, token = legacy_study(runs, tmp_path / "legacy")
+    # The report upgrades the schema in place (new columns get their defaults)…
+    assert cli_main(["eval", "report", "--study", str(study)]) == 0
+    results = json.loads((study / "report" / "results.json").read_text())
+    assert results["pairs"]["attnqat vs bf16"]["questions"]["overall"]["counts"] == {
+        "win": 1, "tie": 0, "lose": 0}
+    assert results["raters"]["rater-001"]["median_view_seconds"] == pytest.approx(7.0)
+    columns = {c for (_, c, *_) in db_rows(study, "PRAGMA table_info(votes)")}
+    assert {"both_bad", "comment", "view_seconds"} <= columns
+    assert db_rows(study, "SELECT both_bad FROM votes") == [(0,)]
+    # …and its raters carry on with the two-video player's API, min viewing time included.
+    with LocalServer(study, extra_args=["--min-view", "1"]) as server:
+        rater = RaterClient(server.url, token)
+        assert rater.start()["stage"] == "rating"
+        cur = rater.current()
+        assert "video" not in cur and cur["duration"] == pytest.approx(17 / 8, abs=0.01)
+        for side in ("left", "right"):
+            r = rater.http.get(cur[side])
+            assert r.status_code == 200 and r.content[4:8] == b"ftyp"
+        assert rater.vote(cur["assignment"], "right").status_code == 425
+        rater.close()
+    assert cli_main(["eval", "report", "--db", f"sqlite:///{tmp_path / 'nothing.db'}"]) == 2
 
 
 # ------------------------------------------------------------------------------- load

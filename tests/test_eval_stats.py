@@ -41,7 +41,7 @@ def test_sign_test_matches_hand_formula_and_statsmodels(w, l_):
     n = w + l_
     p = stats.sign_test(w, l_)
     if n == 0:
-        assert p == 1.0
+        assert math.isnan(p)  # no decisive vote: no test ("no data"), not p = 1
         return
     # Exact two-sided sign test: double the smaller tail of Binomial(n, 1/2), capped at 1.
     tail = sum(math.comb(n, i) for i in range(min(w, l_) + 1)) / 2 ** n
@@ -64,9 +64,10 @@ def test_tost_matches_statsmodels_on_the_paper_votes(margin):
     assert res.p_lower == pytest.approx(p1, rel=1e-9)
     assert res.p_upper == pytest.approx(p2, rel=1e-9)
     assert res.df == df1 == df2
-    assert res.equivalent == (p < 0.05)
+    assert res.passed == (p < 0.05)
+    assert res.verdict == ("equivalent" if p < 0.05 else "not shown equivalent")
     # Equivalence at level alpha <=> the (1 - 2 alpha) t interval lies inside (-margin, margin).
-    assert res.equivalent == (-margin < res.ci_low and res.ci_high < margin)
+    assert res.passed == (-margin < res.ci_low and res.ci_high < margin)
 
 
 def test_tost_on_random_cluster_means_matches_statsmodels():
@@ -76,19 +77,58 @@ def test_tost_on_random_cluster_means_matches_statsmodels():
         res = stats.tost_mean(x, 0.2, alpha=0.1)
         p, _, _ = ttost_paired(x, np.zeros_like(x), -0.2, 0.2)
         assert res.p == pytest.approx(p, rel=1e-9)
-        assert res.equivalent == (p < 0.1)
+        assert res.passed == (p < 0.1)
 
 
-def test_tost_degenerate_cases_hand_worked():
-    # Every prompt a tie: the mean is exactly 0, inside any margin.
-    assert stats.tost_mean([0.0] * 10, 0.1).equivalent
-    # Every prompt a win: the mean is exactly 1, outside a margin of 0.5.
-    r = stats.tost_mean([1.0] * 10, 0.5)
-    assert not r.equivalent and r.p_upper == 1.0
-    # Fewer than two prompts: nothing can be concluded.
-    assert not stats.tost_mean([0.0], 0.5).equivalent
+def test_tost_degenerate_cases_say_not_enough_data():
+    # Every prompt a tie: zero spread. The t statistic is undefined; a t-test would claim p = 0
+    # and "equivalent" from two votes. That is not evidence: the verdict is "not enough data".
+    for values in ([0.0, 0.0], [0.0] * 50, [1.0] * 10):
+        r = stats.tost_mean(values, 0.5)
+        assert r.passed is None and r.verdict == stats.NOT_ENOUGH_DATA
+        assert "same mean score" in r.note and math.isnan(r.p)
+    # Fewer than two prompts: nothing can be concluded either.
+    for values in ([], [0.3]):
+        r = stats.tost_mean(values, 0.5)
+        assert r.passed is None and r.verdict == stats.NOT_ENOUGH_DATA and math.isnan(r.p)
     with pytest.raises(ValueError):
         stats.tost_mean([0.0, 1.0], 0.0)
+
+
+def test_too_few_prompts_report_p_but_no_verdict():
+    x = [0.0, 0.1, -0.1, 0.05, -0.05]
+    few = stats.tost_mean(x, 0.5, min_n=10)
+    enough = stats.tost_mean(x, 0.5, min_n=5)
+    assert enough.passed is True and enough.p < 0.05
+    assert few.passed is None and few.verdict == stats.NOT_ENOUGH_DATA and "5 prompts" in few.note
+    assert few.p == pytest.approx(enough.p) and few.ci_low == pytest.approx(enough.ci_low)
+
+
+@pytest.mark.parametrize("margin", [0.05, 0.1, 0.2])
+def test_noninferiority_is_the_lower_one_sided_t_test(margin):
+    x = np.array([1.0] * PAPER["win"] + [0.0] * PAPER["tie"] + [-1.0] * PAPER["lose"])
+    res = stats.noninferiority_mean(x, margin)
+    ref = sst.ttest_1samp(x, -margin, alternative="greater").pvalue
+    assert res.p == pytest.approx(ref, rel=1e-9) and math.isnan(res.p_upper)
+    assert res.passed == (ref < 0.05)
+    # Decided by the lower end of the same 90 % interval that decides equivalence.
+    assert res.passed == (res.ci_low > -margin)
+    assert res.ci_low == pytest.approx(stats.tost_mean(x, margin).ci_low)
+    assert res.verdict == ("non-inferior" if res.passed else "not shown non-inferior")
+
+
+def test_exclusion_rule_error_rates_hand_worked():
+    # Two checks, threshold 0.7: a rater is kept only with 2/2. Random (1/3 right): 1/9 kept;
+    # careful (95 %): excluded unless both right, 1 − 0.95².
+    keep, drop = stats.exclusion_rule_error_rates(2, 0.7)
+    assert keep == pytest.approx(1 / 9) and drop == pytest.approx(1 - 0.95 ** 2)
+    # Ten checks: kept with at least 7 right.
+    keep, drop = stats.exclusion_rule_error_rates(10, 0.7)
+    assert keep == pytest.approx(sum(math.comb(10, k) * (1 / 3) ** k * (2 / 3) ** (10 - k)
+                                     for k in range(7, 11)))
+    assert drop == pytest.approx(sum(math.comb(10, k) * 0.95 ** k * 0.05 ** (10 - k)
+                                     for k in range(0, 7)))
+    assert keep < 0.05 and drop < 0.05
 
 
 def test_counts_by_cluster_and_cluster_means():
@@ -190,7 +230,22 @@ def test_summarize_wtl_on_the_paper_counts():
     assert s["decisive"]["sign_test_p"] == pytest.approx(sst.binomtest(16, 35).pvalue)
     assert s["net_preference"]["estimate"] == pytest.approx(-3 / 99)
     p, _, _ = ttost_paired(np.array([1.0] * 16 + [0.0] * 64 + [-1.0] * 19), np.zeros(99), -0.1, 0.1)
-    assert s["equivalence"]["p"] == pytest.approx(p)
+    assert s["margin_test"]["p"] == pytest.approx(p)
+    assert s["margin_test"]["passed"] is False  # p = 0.12: not shown equivalent at ±10 points
+    assert s["margin_test"]["ci_low"] == pytest.approx(-0.130, abs=5e-4)
+    assert s["margin_test"]["ci_high"] == pytest.approx(0.069, abs=5e-4)
+
+
+def test_summarize_wtl_empty_and_tiny_cells():
+    empty = stats.summarize_wtl([], [], margin=0.1, n_boot=50)
+    assert empty["n_votes"] == 0 and empty["warnings"] == ["no votes"]
+    assert math.isnan(empty["decisive"]["sign_test_p"]) and empty["margin_test"]["passed"] is None
+    # The case the issue found: two "tie" votes once printed "equivalent: yes".
+    two_ties = stats.summarize_wtl(["tie", "tie"], ["p1", "p2"], margin=0.1, n_boot=50,
+                                   min_prompts=10)
+    assert two_ties["margin_test"]["verdict"] == stats.NOT_ENOUGH_DATA
+    assert any("not enough data" in w for w in two_ties["warnings"])
+    assert any("decisive" in w for w in two_ties["warnings"])
 
 
 def test_summarize_wtl_tests_per_prompt_means_not_votes():
@@ -206,6 +261,6 @@ def test_summarize_wtl_tests_per_prompt_means_not_votes():
     cl = np.array(clusters)
     means = np.array([scores[cl == p].mean() for p in range(12)])
     p, _, _ = ttost_paired(means, np.zeros_like(means), -0.2, 0.2)
-    assert s["equivalence"]["n"] == 12
-    assert s["equivalence"]["p"] == pytest.approx(p, rel=1e-9)
+    assert s["margin_test"]["n"] == 12
+    assert s["margin_test"]["p"] == pytest.approx(p, rel=1e-9)
     assert s["n_votes"] == len(outcomes)

@@ -7,10 +7,11 @@ import json
 import re
 import sqlite3
 
+import imageio.v3 as iio
 import pytest
 
 from attnqat.cli import main as cli_main
-from attnqat.eval import sources
+from attnqat.eval import media, sources
 from attnqat.eval.demo import write_demo_outputs
 from attnqat.eval.sources import InputError
 from attnqat.eval.study import StudyConfig, build_study, parse_pairs, plan_items
@@ -111,19 +112,25 @@ def test_cli_writes_a_sampled_prompt_file(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- planning and building
 
-def test_plan_has_main_check_and_practice_items(generated):
+def test_plan_sets_prompts_aside_for_checks_and_practice(generated):
     runs, prompts = generated
     clips = sources.load_sources([runs])
     config = StudyConfig(name="s", pairs=[("attnqat", "bf16"), ("nvfp4", "bf16")], seed=1)
     plan = plan_items(clips, config)
     kinds = [p.kind for p in plan]
+    n_checks = kinds.count("check_identical") + kinds.count("check_degraded")
     n_main = kinds.count("main")
-    assert n_main == len(prompts) * 2
-    assert kinds.count("check_identical") + kinds.count("check_degraded") == max(2, round(0.1 * n_main))
     assert kinds.count("practice") == 2
+    # Checks and practice never show a study prompt, and each has its own prompt.
+    held = [p.a.prompt for p in plan if p.kind != "main"]
+    main_prompts = {p.a.prompt for p in plan if p.kind == "main"}
+    assert len(set(held)) == len(held) == n_checks + 2
+    assert not set(held) & main_prompts
+    assert n_main == 2 * (len(prompts) - len(held))
+    assert n_checks == max(2, round(0.1 * n_main))
     for p in plan:
         if p.kind == "check_identical":
-            assert p.a == p.b and p.expected == "tie"
+            assert p.a == p.b and p.expected == "tie" and not (p.degrade_a or p.degrade_b)
         if p.kind == "check_degraded":
             assert p.a == p.b and p.degrade_a != p.degrade_b
             assert p.expected == ("b" if p.degrade_a else "a")
@@ -132,9 +139,30 @@ def test_plan_has_main_check_and_practice_items(generated):
     assert plan == plan_items(clips, config)  # reproducible from the seed
     with pytest.raises(InputError, match="empty study"):
         plan_items([c for c in clips if c.method != "bf16"], config)
+    few = [c for c in clips if c.prompt in prompts[:4]]
+    with pytest.raises(InputError, match="need 4 of their own"):
+        plan_items(few, config)
+    # Without checks and practice every prompt is a study prompt.
+    bare = StudyConfig(name="s", pairs=[("attnqat", "bf16")], check_fraction=0, practice_items=0)
+    assert [p.kind for p in plan_items(few, bare)] == ["main"] * 4
 
 
-def test_build_study_writes_opaque_uniform_media_and_records(generated, tmp_path):
+def test_plan_with_separate_check_inputs(generated, tmp_path):
+    runs, prompts = generated
+    clips = sources.load_sources([runs])
+    study = [c for c in clips if c.prompt in prompts[:6]]
+    spare = [c for c in clips if c.prompt in prompts[6:]]
+    config = StudyConfig(name="s", pairs=[("attnqat", "bf16")], seed=3)
+    plan = plan_items(study, config, check_clips=spare)
+    assert {p.a.prompt for p in plan if p.kind == "main"} == set(prompts[:6])
+    assert {p.a.prompt for p in plan if p.kind != "main"} <= set(prompts[6:])
+    with pytest.raises(InputError, match="prompt\\(s\\) of the study"):
+        plan_items(study, config, check_clips=clips)
+    with pytest.raises(InputError, match="need one prompt each"):
+        plan_items(study, config, check_clips=[c for c in spare if c.prompt == prompts[6]])
+
+
+def test_build_study_serves_one_uniform_side_by_side_video_per_item_and_order(generated, tmp_path):
     runs, prompts = generated
     clips = sources.load_sources([runs])
     config = StudyConfig(name="pilot attnqat-vs-bf16", pairs=[("attnqat", "bf16")], seed=2,
@@ -143,13 +171,24 @@ def test_build_study_writes_opaque_uniform_media_and_records(generated, tmp_path
     result = build_study(clips, out, config, n_raters=3, progress=False)
     files = sorted((out / "media").iterdir())
     assert all(re.fullmatch(r"[0-9a-f]{32}\.mp4", f.name) for f in files)
-    assert len({f.stat().st_size for f in files}) == 1
-    assert len(files) == result.n_clips == 2 * sum(result.counts.values())
-    assert result.counts["main"] == len(prompts)
+    n_items = sum(result.counts.values())
+    assert len(files) == result.n_videos == 2 * n_items  # A|B and B|A, each its own encode
+    # One byte size, one container layout (ftyp, moov with its sample table): only the coded
+    # picture data differs, and no two files are the same bytes, except the two orders of an
+    # identical check (A|A swapped is the same picture; a rater sees only one of them).
+    assert {f.stat().st_size for f in files} == {result.video_size}
+    assert len({media.container_layout(f) for f in files}) == 1
+    assert len({f.read_bytes() for f in files}) == len(files) - result.counts["check_identical"]
+    w, h = result.settings.pair_size
+    assert iio.imread(files[0]).shape == (result.settings.frames, h, w, 3)
     db = sqlite3.connect(out / "study.db")
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    tokens = {t for (t,) in db.execute("SELECT token FROM clips")}
+    tokens = {t for (t,) in db.execute("SELECT token FROM videos")}
     assert tokens == {f.stem for f in files}
+    orders = db.execute("SELECT item_id, SUM(a_on_left), COUNT(*), MIN(duration_s) FROM videos "
+                        "GROUP BY item_id").fetchall()
+    assert len(orders) == n_items
+    assert all((left, n, d) == (1, 2, pytest.approx(17 / 8)) for _, left, n, d in orders)
     rows = db.execute("SELECT i.kind, i.method_a, i.method_b, ca.method, cb.method, ca.degraded, "
                       "cb.degraded, i.target_ratings FROM items i JOIN clips ca ON ca.id = "
                       "i.clip_a_id JOIN clips cb ON cb.id = i.clip_b_id").fetchall()
@@ -157,11 +196,12 @@ def test_build_study_writes_opaque_uniform_media_and_records(generated, tmp_path
         assert (ma, mb) == (ca, cb)  # the clip behind each side is the item's method
         assert target == (2 if kind == "main" else 0)
         assert (da or dbg) == (kind == "check_degraded") or kind == "practice"
-    # Each item side has its own file: no URL is shared between two comparisons.
-    assert db.execute("SELECT COUNT(*) FROM clips").fetchone()[0] == 2 * len(rows)
+    # Clip tokens are records, never served names.
+    assert not {t for (t,) in db.execute("SELECT token FROM clips")} & tokens
     assert db.execute("SELECT COUNT(*) FROM raters").fetchone()[0] == 3
     saved = json.loads((out / "study.json").read_text())
     assert saved["equivalence_margin"] == 0.1 and saved["pairs"] == [["attnqat", "bf16"]]
+    assert saved["encode"]["frames"] == 17 and saved["test"] == "equivalence"
     invites = list(csv.DictReader(open(out / "invites.csv")))
     assert [i["link"] for i in invites] == [f"/r/{i['token']}" for i in invites]
     with pytest.raises(InputError, match="not empty"):
@@ -172,11 +212,17 @@ def test_cli_build_and_its_errors(generated, tmp_path, capsys):
     runs, _ = generated
     out = tmp_path / "s"
     code = cli_main(["eval", "build", str(runs), "--out", str(out), "--pairs", "nvfp4:bf16",
-                     "--sample", "4", "--raters", "2", "--quiet"])
+                     "--sample", "6", "--raters", "2", "--quiet"])
     assert code == 0
     db = sqlite3.connect(out / "study.db")
-    assert db.execute("SELECT COUNT(DISTINCT prompt) FROM items WHERE kind='main'").fetchone()[0] == 4
-    assert "2 rater invites" in capsys.readouterr().out
+    # 6 prompts: 2 checks and 2 practice items take one each, 2 are the study.
+    assert db.execute("SELECT COUNT(DISTINCT prompt) FROM items WHERE kind='main'").fetchone()[0] == 2
+    printed = capsys.readouterr().out
+    assert "2 rater invites" in printed and "side-by-side videos (192x64, 17 frames" in printed
+    assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "few"), "--sample",
+                     "3", "--quiet"]) == 2
+    assert "need 4 of their own" in capsys.readouterr().err
+    assert not (tmp_path / "few").exists()
     assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "t"), "--pairs",
                      "sage3:bf16", "--quiet"]) == 2
     assert "unknown method(s) sage3" in capsys.readouterr().err
@@ -184,14 +230,24 @@ def test_cli_build_and_its_errors(generated, tmp_path, capsys):
     assert "not a folder" in capsys.readouterr().err
     assert cli_main(["eval", "build", str(runs)]) == 2
     assert "--out" in capsys.readouterr().err
+    assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "q"), "--qp", "60"]) == 2
+    assert "--qp must be in 0" in capsys.readouterr().err
+    assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "q"), "--min-view",
+                     "-1"]) == 2
+    assert "--min-view must be 0" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
+    assert cli_main(["eval", "serve", "--study", str(out), "--load-timeout", "0"]) == 2
+    assert "--load-timeout must be positive" in capsys.readouterr().err
+    assert cli_main(["eval", "serve", "--study", str(tmp_path)]) == 2
+    assert "no media/ folder" in capsys.readouterr().err
 
 
 def test_every_build_option_has_help():
     import argparse
 
-    from attnqat.eval import build, report, serve
+    from attnqat.eval import build, importer, plan, report, serve
 
-    for module in (build, report, serve):
+    for module in (build, report, serve, plan, importer):
         parser = argparse.ArgumentParser()
         module.add_arguments(parser)
         for action in parser._actions:
@@ -207,8 +263,8 @@ def test_failed_build_leaves_no_half_study(generated, tmp_path):
     bad = [c if c.method != "nvfp4" or c.prompt != clips[0].prompt else
            sources.ClipSource(c.prompt, c.seed, c.method, broken) for c in clips]
     out = tmp_path / "study"
-    config = StudyConfig(name="s", pairs=[("nvfp4", "bf16")], encode={"width": 64, "height": 64,
-                                                                      "fps": 8.0})
+    config = StudyConfig(name="s", pairs=[("nvfp4", "bf16")], check_fraction=0, practice_items=0,
+                         encode={"width": 64, "height": 64, "fps": 8.0, "frames": 17})
     from attnqat.eval.media import MediaError
     with pytest.raises(MediaError, match="ffmpeg failed"):
         build_study(bad, out, config, progress=False)
@@ -221,9 +277,9 @@ def test_study_in_another_database_url(generated, tmp_path):
     db.parent.mkdir()
     url = f"sqlite:///{db}"
     assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "s1"), "--db", url,
-                     "--name", "first", "--sample", "2", "--quiet"]) == 0
+                     "--name", "first", "--sample", "5", "--quiet"]) == 0
     assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "s2"), "--db", url,
-                     "--name", "second", "--sample", "3", "--quiet"]) == 0
+                     "--name", "second", "--sample", "6", "--quiet"]) == 0
     assert not (tmp_path / "s1" / "study.db").exists()
     names = [n for (n,) in sqlite3.connect(db).execute("SELECT name FROM studies ORDER BY id")]
     assert names == ["first", "second"]
