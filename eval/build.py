@@ -85,7 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="encodes to run at once (default: the number of CPUs)")
     parser.add_argument("--prompt-file", type=Path, default=None,
                         help="prompt list, one per line (e.g. VBench all_dimension.txt); if "
-                             "omitted, --write-prompts uses the project's assets/prompts.txt")
+                             "omitted, --write-prompts uses the prompts that fit --model")
+    parser.add_argument("--model", default=None,
+                        help="with --write-prompts and no --prompt-file: the model the study's clips "
+                             "will come from; the embedded tiny model (default) gets held-out "
+                             "synthetic captions it was trained to draw, a real Wan model the "
+                             "natural-language list assets/prompts.txt")
     parser.add_argument("--sample", type=int, default=None,
                         help="draw this many prompts reproducibly (with --seed)")
     parser.add_argument("--write-prompts", type=Path, default=None,
@@ -103,7 +108,18 @@ def run(args: argparse.Namespace) -> int:
         if args.write_prompts is not None:
             if args.sample is None:
                 return _fail("--write-prompts needs --sample N")
-            chosen = sample_prompts(read_prompts(args.prompt_file), args.sample, args.seed)
+            if args.prompt_file is not None:
+                pool = read_prompts(args.prompt_file)
+            else:
+                from attnqat.prompts import model_prompts, prompt_list_name
+                from attnqat.wan import ModelLoadError
+
+                try:
+                    pool = model_prompts(args.model)
+                except ModelLoadError as exc:
+                    return _fail(str(exc))
+                print(f"prompts from {prompt_list_name(args.model)}")
+            chosen = sample_prompts(pool, args.sample, args.seed)
             args.write_prompts.write_text("\n".join(chosen) + "\n", encoding="utf-8")
             print(f"wrote {len(chosen)} prompts to {args.write_prompts}")
             return 0

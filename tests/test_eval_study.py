@@ -103,11 +103,24 @@ def test_project_prompt_list_and_reproducible_sampler(tmp_path):
     assert sources.read_prompts(user_list) == ["one", "two", "three"]
 
 
-def test_cli_writes_a_sampled_prompt_file(tmp_path, capsys):
+def test_cli_writes_a_sampled_prompt_file_that_fits_the_model(tmp_path, capsys):
+    """The embedded tiny model (the default) gets held-out synthetic captions it can draw; a real
+    Wan model the natural-language list; --prompt-file wins."""
+    from attnqat.prompts import model_prompts, natural_prompts
+    from attnqat.synthetic import heldout_prompts, parse_caption
+
     out = tmp_path / "p.txt"
     assert cli_main(["eval", "build", "--sample", "7", "--seed", "3", "--write-prompts", str(out)]) == 0
     lines = out.read_text().splitlines()
-    assert lines == sources.sample_prompts(sources.read_prompts(), 7, seed=3)
+    assert lines == sources.sample_prompts(heldout_prompts(300)[100:], 7, seed=3)
+    assert all(parse_caption(p) for p in lines) and "held-out synthetic" in capsys.readouterr().out
+    assert model_prompts("Wan-AI/Wan2.1-T2V-1.3B-Diffusers") == natural_prompts()   # a hub id: kind wan
+    assert cli_main(["eval", "build", "--sample", "7", "--seed", "3", "--write-prompts", str(out),
+                     "--model", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"]) == 0
+    assert out.read_text().splitlines() == sources.sample_prompts(sources.read_prompts(), 7, seed=3)
+    assert cli_main(["eval", "build", "--sample", "7", "--write-prompts", str(out), "--model",
+                     str(tmp_path / "nothing")]) == 2
+    assert "model folder not found" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------- planning and building
