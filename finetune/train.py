@@ -532,27 +532,28 @@ class Trainer:
 class Validator:
     """Clips of fixed prompts with the student's deployed attention, written as mp4 (rank 0) and,
     for synthetic captions, scored procedurally. Every rank runs the denoising (the model is
-    sharded); rank 0 decodes."""
+    sharded); rank 0 decodes, moving the VAE to the GPU for it when it lives on the CPU."""
 
     def __init__(self, cfg: TrainConfig, parts, prompts: list[str], prompt_text: torch.Tensor,
                  empty_text: torch.Tensor, latent_shape: tuple[int, ...], ctx: DistContext) -> None:
-        from attnqat.wan import model_info
+        from diffusers import WanPipeline
+
+        from attnqat.synthetic import parse_caption
+        from attnqat.wan import WanModels, default_shift, model_info
 
         info = model_info(cfg.model)
+        d = info.defaults
         self.cfg, self.ctx, self.parts, self.prompts = cfg, ctx, parts, prompts
         self.prompt_text, self.empty_text = prompt_text, empty_text
         self.latent_shape = latent_shape
-        self.steps = cfg.val_steps or int(info.defaults["steps"])
-        self.guidance = cfg.val_guidance if cfg.val_guidance is not None else float(info.defaults["guidance"])
-        shift = info.defaults.get("shift")
-        from attnqat.wan import default_shift
-
-        self.shift = float(shift) if shift is not None else default_shift(cfg.height, cfg.width)
-        self.fps = float(info.defaults.get("fps", 16))
-        self.info = info
+        self.steps = cfg.val_steps or int(d["steps"])
+        self.guidance = cfg.val_guidance if cfg.val_guidance is not None else float(d["guidance"])
+        self.shift = float(d["shift"]) if d.get("shift") is not None else default_shift(cfg.height, cfg.width)
+        self.fps = float(d.get("fps", 16))
+        pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=parts.vae, scheduler=parts.scheduler)
+        self.decoder = WanModels(pipe=pipe, device=ctx.device, info=info,
+                                 offload=next(parts.vae.parameters()).device != ctx.device)
         try:
-            from attnqat.synthetic import parse_caption
-
             for p in prompts:
                 parse_caption(p)
             self.scored = True
@@ -560,9 +561,9 @@ class Validator:
             self.scored = False
 
     def run(self, trainer: Trainer, step: int) -> dict:
+        from attnqat.eval.procedural import score_clip, summarize
         from attnqat.generate import decode, denoise
         from attnqat.video import write_mp4
-        from attnqat.wan import WanModels
 
         model, dev = trainer.model, self.ctx.device
         method = trainer.proc.method
@@ -573,6 +574,7 @@ class Validator:
         try:
             with torch.no_grad(), trainer.autocast():
                 for i, prompt in enumerate(self.prompts):
+                    # the noise of seed i, drawn as attnqat.generate.initial_latents draws it
                     lat0 = torch.randn((1, *self.latent_shape),
                                        generator=torch.Generator("cpu").manual_seed(i))
                     lat = denoise(model, self.parts.scheduler, lat0, self.prompt_text[i:i + 1].to(dev),
@@ -580,26 +582,16 @@ class Validator:
                                   guidance=self.guidance, shift=self.shift, device=dev)
                     if not self.ctx.is_main:
                         continue
-                    from diffusers import WanPipeline
-
-                    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=self.parts.vae,
-                                       scheduler=self.parts.scheduler)
-                    vae_home = next(self.parts.vae.parameters()).device
-                    frames = decode(WanModels(pipe=pipe, device=dev, info=self.info,
-                                              offload=vae_home != dev), lat)
+                    frames = decode(self.decoder, lat)
                     folder.mkdir(parents=True, exist_ok=True)
                     write_mp4(frames, folder / f"{i:02d}.mp4", self.fps)
                     if self.scored:
-                        from attnqat.eval.procedural import score_clip
-
                         scores.append(score_clip(prompt, frames))
         finally:
             trainer.proc.method = method
             model.train()
         out: dict = {"clips": len(self.prompts), "folder": str(folder)}
         if scores:
-            from attnqat.eval.procedural import summarize
-
             s = summarize(scores)
             out.update({k: s[k] for k in ("colour", "shape", "motion", "all_correct")})
         return out

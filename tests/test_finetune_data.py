@@ -78,11 +78,11 @@ def test_data_order_is_a_permutation_per_epoch_and_independent_of_the_split():
     src = type("S", (), {"load": staticmethod(lambda i: D.Item(name=str(i)))})()
     one = D.RankSamples(src, order, start=4, batch=4, rank=0, world=1)
     two = [D.RankSamples(src, order, start=4, batch=2, rank=r, world=2) for r in (0, 1)]
-    g1 = [[g for g, _ in next(iter_)] for iter_ in [iter(one)] for _ in range(1)]
     it1, it2 = iter(one), [iter(r) for r in two]
+    first = [g for g, _ in next(it1)]
+    assert first == [4, 5, 6, 7] == [g for r in it2 for g, _ in next(r)]
     for _ in range(3):
         assert [g for g, _ in next(it1)] == [g for r in it2 for g, _ in next(r)]
-    assert g1[0] == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="not a multiple"):
         next(iter(D.RankSamples(src, order, start=3, batch=2, rank=0, world=1)))
 
