@@ -302,7 +302,7 @@ def stage_report(args, runs: list[str], command: str) -> int:
     figs = args.figures or args.doc.parent
     figs.mkdir(parents=True, exist_ok=True)
     run_dirs = {r: args.work / "runs" / r for r in runs if (args.work / "runs" / r / "log.jsonl").is_file()}
-    lines = [f"# Attn-QAT on the embedded tiny model: the paper's claims, measured", "",
+    lines = ["# Attn-QAT on the embedded tiny model: the paper's claims, measured", "",
              f"Written by `{command}` on {_now()[:10]} (every number below comes from it; the "
              "training and evaluation stages can run in several calls, each continuing the last)."]
     e0 = ev["base-bf16"]

@@ -30,7 +30,7 @@ import signal
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -651,7 +651,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     written for that step)."""
     from tqdm.auto import tqdm
 
-    from .encode import Encoder, load_components, real_tokens
+    from .encode import Encoder, load_components
 
     say = log if ctx.is_main else (lambda *_a, **_k: None)
     run_dir = Path(cfg.out)
