@@ -12,6 +12,9 @@ import atexit
 import os
 import signal
 import sys
+import time
+
+from attnqat.wan import DTYPE_CHOICES
 
 AUTH_ENV = "ATTNQAT_APP_AUTH"
 
@@ -27,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "names). None: the one the model folder names, if any (the tiny model "
                              "has one); without one, Attn-QAT is shown as unavailable")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="compute dtype of the transformer and text encoder: auto picks what the "
+                             "device runs natively (bfloat16 on CUDA and on CPUs with BF16 "
+                             "instructions, float32 on other CPUs); the page says which runs")
     parser.add_argument("--offload", action="store_true",
                         help="keep models on the CPU and move each to the GPU only while it runs "
                              "(for GPUs with little memory)")
@@ -110,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     log("loading the model …")
     try:
         service = load_service(args.model, qat_transformer=args.qat_transformer or "auto",
-                               device=args.device, offload=args.offload,
+                               device=args.device, dtype=args.dtype, offload=args.offload,
                                output_dir=args.output_dir, keep=args.keep, fault=fault, log=log)
     except (ModelLoadError, CheckpointError, ValueError) as exc:
         return fail(str(exc))
@@ -129,11 +136,20 @@ def run(args: argparse.Namespace) -> int:
             if why:
                 log(f"{m} is unavailable: {why}")
         try:
-            launch(demo, service, host=args.host, port=args.port, auth=auth, block=True)
-        except OSError as exc:
-            return fail(f"cannot listen on {args.host}:{args.port}: {exc}")
+            launch(demo, service, host=args.host, port=args.port, auth=auth, block=False,
+                   quiet=True)
+        except OSError:
+            return fail(f"cannot listen on {args.host}:{args.port}: the port is in use or not "
+                        "allowed here; choose another one with --port N")
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        log(f"serving on http://{host}:{args.port}/ (Ctrl+C stops it)")
+        try:
+            while demo.is_running:
+                time.sleep(0.2)
         except KeyboardInterrupt:
-            pass
+            log("stopping")
+        finally:
+            demo.close()
     finally:
         service.close()
     return 0
