@@ -1021,7 +1021,7 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
         return [resolve_settings(p, methods="bf16", seed=first + i, steps=args.eval_steps,
                                  guidance=guidance, height=args.eval_size, width=args.eval_size,
                                  frames=args.eval_frames, device=str(dev), model=str(model_dir),
-                                 backend=args.eval_backend, info=models.info)[0]
+                                 backend=args.eval_backend, models=models)[0]
                 for i, p in enumerate(prompts)]
 
     def embeds(settings: list):

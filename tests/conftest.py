@@ -18,6 +18,12 @@ def _cuda_available() -> bool:
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Servers and commands that tests start as `python -m attnqat.cli ...` run from the repository
+# root, where `-m` would put the source folder attnqat/ in front of a regular (non-editable)
+# install; PYTHONSAFEPATH (Python 3.11+, as `python -P`) keeps it out. An editable install is
+# found either way.
+os.environ["PYTHONSAFEPATH"] = "1"
+
 
 def _attnqat_location():
     """Where ``attnqat`` is imported from, and whether it is the whole installed namespace."""
