@@ -67,6 +67,25 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
     return user, password
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now, or None (checked before the model loads)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve --host {host}: {exc.strerror or exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return (f"cannot listen on {host}:{port} ({exc.strerror or exc}); another program may "
+                    "be using it: choose another port with --port N")
+    return None
+
+
 def _fault():
     from .service import FAULT_ENV, Fault
 
@@ -94,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--queue-size must be at least 1, got {args.queue_size}")
     if args.threads is not None and args.threads < 1:
         return fail(f"--threads must be at least 1, got {args.threads}")
+    problem = port_problem(args.host, args.port)
+    if problem:
+        return fail(problem)
     if args.host not in ("127.0.0.1", "localhost", "::1") and auth is None:
         print(f"attnqat app: warning: listening on {args.host} without --auth; anyone who can "
               "reach this address can use the GPU", file=sys.stderr)

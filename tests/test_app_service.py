@@ -389,6 +389,18 @@ def test_bad_options_are_refused_before_loading(capsys, monkeypatch):
     assert cli_main(["app", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
     assert cli_main(["app", "--keep", "0"]) == 2
+    capsys.readouterr()
+    import socket
+
+    with socket.socket() as busy:  # a port another program listens on: one line, before loading
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setattr(svc, "load_service", lambda *a, **k: pytest.fail("loaded the model"))
+        assert cli_main(["app", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0] and "--port N" in err[0]
+    assert "share" not in err[0] and "GRADIO_SERVER_PORT" not in err[0]
     monkeypatch.setenv(svc.FAULT_ENV, "explode")
     assert cli_main(["app"]) == 2
     assert svc.FAULT_ENV in capsys.readouterr().err
