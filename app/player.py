@@ -149,10 +149,10 @@ def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tupl
 _ZOOMS = (1, 2, 4, 8)
 
 
-def _compare_html(names: Sequence[tuple[str, str]], srcs: Sequence[str], aspect: str) -> str:
+def _compare_html(names: Sequence[str], srcs: Sequence[str], aspect: str) -> str:
     """The enlarged comparison of two clips: one drawn over the other, a split slider between them
     and a zoom (``player.js`` keeps both in step with the row of players)."""
-    opts = "".join(f'<option value="{i}">{_esc(n)}</option>' for i, (_m, n) in enumerate(names))
+    opts = "".join(f'<option value="{i}">{_esc(n)}</option>' for i, n in enumerate(names))
     right = 1 if len(names) > 1 else 0
     zooms = "".join(f'<option value="{z}">{z}×</option>' for z in _ZOOMS)
     return (
@@ -190,7 +190,7 @@ def render_player(view: ResultView | None) -> str:
     aspect = f"{int(settings.get('width') or 1)} / {int(settings.get('height') or 1)}"
     bf16_run = "bf16" in rec_methods
     figures = []
-    names: list[tuple[str, str]] = []
+    names: list[str] = []  # as the comparison view offers them
     srcs: list[str] = []
     for i, method in enumerate(order):
         src = file_url(view.media[method])
@@ -199,12 +199,12 @@ def render_player(view: ResultView | None) -> str:
                  f'disablepictureinpicture></video>')
         if hidden:
             letter = string.ascii_uppercase[i]
-            names.append(("", f"Clip {letter}"))
+            names.append(f"Clip {letter}")
             figures.append(f'<figure class="aq-clip"><figcaption class="aq-label">'
                            f'<b>Clip {letter}</b></figcaption>{video}</figure>')
             continue
         label = method_label(view.record, method)
-        names.append((method, label))
+        names.append(label)
         rows = "".join(f'<dt title="{_esc(tip)}">{_esc(k)}</dt><dd>{_esc(v)}</dd>'
                        for k, v, tip in metric_rows(method, rec_methods.get(method, {}), bf16_run))
         name = f"{method}.mp4"

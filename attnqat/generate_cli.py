@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload", action="store_true",
                         help="keep models on the CPU and move each to the GPU only while it runs "
                              "(for GPUs with little memory)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for PyTorch (None: PyTorch's default, one per core; on a "
+                             "CPU shared with other work, 1 is often much faster)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
 
@@ -103,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"attnqat generate: error: --threads: at least 1, got {args.threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         result = generate(
             args.prompt, negative_prompt=args.negative_prompt, methods=args.methods, seed=args.seed,

@@ -195,6 +195,12 @@ def test_triton_backend_is_refused_with_one_reason_before_loading(no_loading, ca
     assert err[0].startswith("attnqat generate: error: --backend: the Triton kernels need a CUDA GPU")
 
 
+def test_threads_must_be_positive(no_loading, capsys, tmp_path):
+    rc = main(["generate", "--prompt", PROMPT, "--threads", "0", "--out", str(tmp_path / "o")])
+    assert rc == 2 and capsys.readouterr().err.strip() == \
+        "attnqat generate: error: --threads: at least 1, got 0"
+
+
 def test_triton_backend_rules():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert "CUDA" in gen._check_backend("triton", ["nvfp4"], "all", cpu, torch.bfloat16)
