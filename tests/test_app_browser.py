@@ -96,6 +96,13 @@ def app(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
+def _wait_text(page, selector: str, text: str, timeout: int = 30_000) -> str:
+    """Wait until ``selector``'s text contains ``text``; returns its text."""
+    page.wait_for_function("([s, t]) => (document.querySelector(s) || {}).innerText?.includes(t)",
+                           arg=[selector, text], timeout=timeout)
+    return page.inner_text(selector)
+
+
 def _wait_status(page, text: str, timeout: int = 120_000) -> str:
     """Wait until the status box contains ``text``; returns its text."""
     page.wait_for_function("t => (document.querySelector('#aq-status') || {}).innerText"
@@ -155,16 +162,16 @@ def test_page_generates_plays_in_sync_blind_mode_and_stays_local(app, tmp_path):
                                           ("#aq-frames", "0", "4k+1"),
                                           ("#aq-seed", "12abc", "an integer")):
                 set_field(page, elem, value)
-                assert fragment in page.inner_text("#aq-plan")  # what will (not) run, live
+                _wait_text(page, "#aq-plan", fragment)  # what will (not) run, as it is typed
                 page.click("#aq-generate")
                 _wait_status(page, fragment)
-                assert fragment in page.inner_text(elem)  # the message sits on the field
+                _wait_text(page, elem, fragment)  # the message sits on the field
                 set_field(page, elem, {"#aq-steps": "2", "#aq-frames": "17", "#aq-seed": "-1"}[elem])
             big = str(2 ** 63 - 1)
             set_field(page, "#aq-seed", big)
             set_field(page, "#aq-resolution", "64x64")
-            plan = page.inner_text("#aq-plan")
-            assert f"seed {big}" in plan and "64×64 (width×height), 17 frames" in plan and "2 steps" in plan
+            plan = _wait_text(page, "#aq-plan", "64×64 (width×height), 17 frames")
+            assert f"seed {big}" in plan and "2 steps" in plan
 
             # A failure inside generation (simulated out-of-memory in SageAttention3): a message.
             service.fault = Fault("oom", "sage3")
