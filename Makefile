@@ -19,10 +19,24 @@ $(STAMP): pyproject.toml
 setup: $(STAMP) browser
 
 # Debian's Chromium drives the browser tests (Playwright uses it; it never downloads a browser).
+# apt waits up to APT_LOCK_WAIT seconds for a lock another process holds (an unattended upgrade,
+# another install), and a failed attempt is tried once more after APT_RETRY_PAUSE seconds.
+BROWSER_BIN     ?= chromium
+APT_LOCK_WAIT   ?= 600
+APT_RETRY_PAUSE ?= 20
+APT_GET          = apt-get -o DPkg::Lock::Timeout=$(APT_LOCK_WAIT)
 browser:
-	@command -v chromium >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	  else echo "make: Chromium is missing; install Debian's 'chromium' package (browser tests need it)"; fi; }
+	@command -v $(BROWSER_BIN) >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "make: Chromium is missing; install Debian's 'chromium' package (browser tests need it)"; \
+	  else \
+	    for attempt in 1 2; do \
+	      $(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq chromium >/dev/null && break; \
+	      if [ $$attempt = 2 ]; then echo "make: installing chromium failed twice" >&2; exit 1; fi; \
+	      echo "make: apt-get failed (another process may hold its lock); trying once more in $(APT_RETRY_PAUSE) s" >&2; \
+	      sleep $(APT_RETRY_PAUSE); \
+	    done; \
+	  fi; }
 
 test: setup
 	$(PY) -m pytest -q

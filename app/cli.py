@@ -12,6 +12,9 @@ import atexit
 import os
 import signal
 import sys
+import time
+
+from attnqat.wan import DTYPE_CHOICES
 
 AUTH_ENV = "ATTNQAT_APP_AUTH"
 
@@ -27,6 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "names). None: the one the model folder names, if any (the tiny model "
                              "has one); without one, Attn-QAT is shown as unavailable")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="compute dtype of the transformer and text encoder: auto picks what the "
+                             "device runs natively (bfloat16 on CUDA and on CPUs with BF16 "
+                             "instructions, float32 on other CPUs); the page says which runs")
     parser.add_argument("--offload", action="store_true",
                         help="keep models on the CPU and move each to the GPU only while it runs "
                              "(for GPUs with little memory)")
@@ -60,6 +67,25 @@ def parse_auth(value: str | None) -> tuple[str, str] | None:
     return user, password
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now, or None (checked before the model loads)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve --host {host}: {exc.strerror or exc}"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(address)
+        except OSError as exc:
+            return (f"cannot listen on {host}:{port} ({exc.strerror or exc}); another program may "
+                    "be using it: choose another port with --port N")
+    return None
+
+
 def _fault():
     from .service import FAULT_ENV, Fault
 
@@ -87,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--queue-size must be at least 1, got {args.queue_size}")
     if args.threads is not None and args.threads < 1:
         return fail(f"--threads must be at least 1, got {args.threads}")
+    problem = port_problem(args.host, args.port)
+    if problem:
+        return fail(problem)
     if args.host not in ("127.0.0.1", "localhost", "::1") and auth is None:
         print(f"attnqat app: warning: listening on {args.host} without --auth; anyone who can "
               "reach this address can use the GPU", file=sys.stderr)
@@ -110,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     log("loading the model …")
     try:
         service = load_service(args.model, qat_transformer=args.qat_transformer or "auto",
-                               device=args.device, offload=args.offload,
+                               device=args.device, dtype=args.dtype, offload=args.offload,
                                output_dir=args.output_dir, keep=args.keep, fault=fault, log=log)
     except (ModelLoadError, CheckpointError, ValueError) as exc:
         return fail(str(exc))
@@ -129,11 +158,20 @@ def run(args: argparse.Namespace) -> int:
             if why:
                 log(f"{m} is unavailable: {why}")
         try:
-            launch(demo, service, host=args.host, port=args.port, auth=auth, block=True)
-        except OSError as exc:
-            return fail(f"cannot listen on {args.host}:{args.port}: {exc}")
+            launch(demo, service, host=args.host, port=args.port, auth=auth, block=False,
+                   quiet=True)
+        except OSError:
+            return fail(f"cannot listen on {args.host}:{args.port}: the port is in use or not "
+                        "allowed here; choose another one with --port N")
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        log(f"serving on http://{host}:{args.port}/ (Ctrl+C stops it)")
+        try:
+            while demo.is_running:
+                time.sleep(0.2)
         except KeyboardInterrupt:
-            pass
+            log("stopping")
+        finally:
+            demo.close()
     finally:
         service.close()
     return 0

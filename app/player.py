@@ -1,5 +1,5 @@
-"""HTML of the page's dynamic parts: the synced players with their metric cards, the per-method
-progress bars, the run summary and messages.
+"""HTML of the page's dynamic parts: the synced players with their metric cards and the comparison
+view, the per-method progress bars, the run summary, the plan and messages.
 
 Everything here is a pure function of plain data (a :class:`ResultView` and the generation record),
 so it is tested without a server. The players' script is ``static/player.js`` (run by the
@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import quote
 
-from .service import METHOD_LABELS, METHOD_NOTES
+from attnqat.generate import METHOD_LABELS
+
+from .service import METHOD_NOTES, QAT_NOTE_BASE_COPY, QAT_NOTE_FINE_TUNED
 
 STATIC = Path(__file__).resolve().parent / "static"
 FILE_ROUTE = "gradio_api/file="  # relative: works when the app is mounted below a path
@@ -95,6 +97,19 @@ def _esc(x: Any) -> str:
     return html.escape(str(x), quote=True)
 
 
+def method_label(record: dict[str, Any], method: str) -> str:
+    """The method's name as the record gives it (Attn-QAT's says which weights ran)."""
+    entry = record.get("methods", {}).get(method, {})
+    return entry.get("label") or METHOD_LABELS.get(method, method)
+
+
+def method_note(record: dict[str, Any], method: str) -> str:
+    if method == "attnqat":
+        qat = record.get("qat") or {}
+        return QAT_NOTE_FINE_TUNED if qat.get("fine_tuned") else QAT_NOTE_BASE_COPY
+    return METHOD_NOTES.get(method, "")
+
+
 def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tuple[str, str, str]]:
     """(name, value, tooltip) rows of one method's card."""
     t = entry.get("timings", {})
@@ -116,7 +131,10 @@ def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tupl
         psnr = f"{entry['psnr']:.2f} dB" if entry.get("psnr") is not None else "—"
         ssim = f"{entry['ssim']:.4f}" if entry.get("ssim") is not None else "—"
     return [
+        ("Total", fmt_seconds(t.get("total_s")), "denoising plus decoding of this clip (the text "
+                                                 "encoding is shared and shown in the summary)"),
         ("Denoising", fmt_seconds(t.get("denoising_s")), "time of the denoising loop"),
+        ("Decoding", fmt_seconds(t.get("decoding_s")), "time of the VAE decode"),
         ("Attention", att, "time inside attention calls, and its share of denoising"),
         ("Peak memory", fmt_bytes(entry.get("peak_memory_bytes")), mem_tip),
         ("PSNR vs BF16", psnr, "peak signal-to-noise ratio against the BF16 clip (higher is closer)"),
@@ -128,8 +146,35 @@ def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tupl
 # The players
 # ----------------------------------------------------------------------------------------------
 
+_ZOOMS = (1, 2, 4, 8)
+
+
+def _compare_html(names: Sequence[str], srcs: Sequence[str], aspect: str) -> str:
+    """The enlarged comparison of two clips: one drawn over the other, a split slider between them
+    and a zoom (``player.js`` keeps both in step with the row of players)."""
+    opts = "".join(f'<option value="{i}">{_esc(n)}</option>' for i, n in enumerate(names))
+    right = 1 if len(names) > 1 else 0
+    zooms = "".join(f'<option value="{z}">{z}×</option>' for z in _ZOOMS)
+    return (
+        '<div class="aq-compare">'
+        '<div class="aq-compare-controls">'
+        f'<label>Left <select class="aq-cmp-left">{opts}</select></label>'
+        f'<label>Right <select class="aq-cmp-right">{opts}</select></label>'
+        '<label>Split <input type="range" class="aq-split" min="0" max="100" value="50"></label>'
+        f'<label>Zoom <select class="aq-zoom">{zooms}</select></label>'
+        '<span class="aq-sub">Drag the split to wipe between the two clips; with zoom, the view '
+        'follows the mouse.</span></div>'
+        f'<div class="aq-stage" data-right="{right}" style="--aq-aspect: {_esc(aspect)}">'
+        f'<video class="aq-cmp-video aq-cmp-b" src="{_esc(srcs[right])}" muted playsinline '
+        'preload="auto" disablepictureinpicture></video>'
+        f'<video class="aq-cmp-video aq-cmp-a" src="{_esc(srcs[0])}" muted playsinline '
+        'preload="auto" disablepictureinpicture></video>'
+        '<div class="aq-split-line"></div></div></div>')
+
+
 def render_player(view: ResultView | None) -> str:
-    """The row of synced players (empty string when there is nothing to show)."""
+    """The row of synced players with their controls, and the comparison view (empty string when
+    there is nothing to show)."""
     if view is None:
         return ""
     if not view.files_exist():
@@ -139,24 +184,34 @@ def render_player(view: ResultView | None) -> str:
     order = view.order or view.methods
     hidden = view.hidden
     rec_methods = view.record.get("methods", {})
+    settings = view.record.get("settings", {})
+    fps = float(settings.get("fps") or 16)
+    nframes = int(settings.get("frames") or 1)
+    aspect = f"{int(settings.get('width') or 1)} / {int(settings.get('height') or 1)}"
     bf16_run = "bf16" in rec_methods
     figures = []
+    names: list[str] = []  # as the comparison view offers them
+    srcs: list[str] = []
     for i, method in enumerate(order):
         src = file_url(view.media[method])
-        video = (f'<video src="{_esc(src)}" muted playsinline preload="auto" '
+        srcs.append(src)
+        video = (f'<video class="aq-main" src="{_esc(src)}" muted playsinline preload="auto" '
                  f'disablepictureinpicture></video>')
         if hidden:
             letter = string.ascii_uppercase[i]
+            names.append(f"Clip {letter}")
             figures.append(f'<figure class="aq-clip"><figcaption class="aq-label">'
                            f'<b>Clip {letter}</b></figcaption>{video}</figure>')
             continue
+        label = method_label(view.record, method)
+        names.append(label)
         rows = "".join(f'<dt title="{_esc(tip)}">{_esc(k)}</dt><dd>{_esc(v)}</dd>'
                        for k, v, tip in metric_rows(method, rec_methods.get(method, {}), bf16_run))
         name = f"{method}.mp4"
         figures.append(
             f'<figure class="aq-clip" data-method="{_esc(method)}">'
-            f'<figcaption class="aq-label"><b>{_esc(METHOD_LABELS[method])}</b>'
-            f'<span>{_esc(METHOD_NOTES[method])}</span></figcaption>{video}'
+            f'<figcaption class="aq-label"><b>{_esc(label)}</b>'
+            f'<span>{_esc(method_note(view.record, method))}</span></figcaption>{video}'
             f'<dl class="aq-card">{rows}</dl>'
             f'<a class="aq-dl" href="{_esc(src)}" download="{_esc(name)}">Download {_esc(name)}</a>'
             f'</figure>')
@@ -164,12 +219,19 @@ def render_player(view: ResultView | None) -> str:
             "is which." if hidden else
             ("Revealed: the clips stay in their blind order." if view.blind else ""))
     cols = len(order)
+    controls = (
+        '<div class="aq-controls"><button type="button" class="aq-toggle">Pause</button>'
+        '<button type="button" class="aq-restart">Restart</button>'
+        '<button type="button" class="aq-prev" title="previous frame (pauses)">◀ frame</button>'
+        '<button type="button" class="aq-next" title="next frame (pauses)">frame ▶</button>'
+        f'<input type="range" class="aq-scrub" min="0" max="{nframes - 1}" value="0" step="1" '
+        'aria-label="frame">'
+        f'<span class="aq-frame">frame 1/{nframes}</span>'
+        f'<span class="aq-player-msg">{_esc(note)}</span></div>')
     return (f'<div class="aq-player" data-count="{cols}" data-blind="{"yes" if hidden else "no"}" '
-            f'style="--aq-cols: {cols}">'
-            '<div class="aq-controls"><button type="button" class="aq-toggle">Pause</button>'
-            '<button type="button" class="aq-restart">Restart</button>'
-            f'<span class="aq-player-msg">{_esc(note)}</span></div>'
-            f'<div class="aq-row">{"".join(figures)}</div></div>')
+            f'data-fps="{fps:g}" data-frames="{nframes}" style="--aq-cols: {cols}">'
+            f'{controls}<div class="aq-row">{"".join(figures)}</div>'
+            f'{_compare_html(names, srcs, aspect) if cols > 1 else ""}</div>')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,23 +242,68 @@ _STATE_TEXT = {"waiting": "waiting", "denoising": "step {step}/{steps}", "decodi
                "done": "done"}
 
 
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "estimating time left…"
+    return f"about {seconds:.0f} s left" if seconds >= 1 else "almost done"
+
+
 def render_progress(snapshot: dict[str, Any], headline: str) -> str:
-    """One bar per method (denoising steps, then decoding) under a headline."""
+    """One bar per method (denoising steps, then decoding) under a headline with the elapsed time
+    and an estimate of the time left."""
     rows = []
     for row in snapshot["methods"]:
         pct = max(0.0, min(1.0, row["fraction"])) * 100
         state = row["state"]
         text = _STATE_TEXT[state].format(step=min(row["step"] + 1, row["steps"]), steps=row["steps"])
+        t = row.get("timings")
+        if state == "done" and t is not None:
+            text = f"done in {fmt_seconds(t.total_s)}"
+        label = row.get("label") or METHOD_LABELS[row["method"]]
         rows.append(
             f'<div class="aq-prow" data-method="{_esc(row["method"])}" data-state="{state}">'
-            f'<span class="aq-pname">{_esc(METHOD_LABELS[row["method"]])}</span>'
-            f'<div class="aq-bar" role="progressbar" aria-label="{_esc(METHOD_LABELS[row["method"]])}" '
+            f'<span class="aq-pname">{_esc(label)}</span>'
+            f'<div class="aq-bar" role="progressbar" aria-label="{_esc(label)}" '
             f'aria-valuemin="0" aria-valuemax="100" aria-valuenow="{pct:.0f}">'
             f'<div style="width: {pct:.1f}%"></div></div>'
             f'<span class="aq-pstate">{_esc(text)}</span></div>')
     return (f'<div class="aq-progress" data-phase="{_esc(snapshot["phase"])}">'
-            f'<div class="aq-progress-head">{_esc(headline)} · {snapshot["elapsed_s"]:.1f} s</div>'
+            f'<div class="aq-progress-head">{_esc(headline)} · {snapshot["elapsed_s"]:.1f} s · '
+            f'<span class="aq-eta">{_esc(_eta(snapshot.get("eta_s")))}</span></div>'
             f'{"".join(rows)}</div>')
+
+
+def render_queued() -> str:
+    return ('<div class="aq-msg aq-idle aq-queued">Queued: the generation starts as soon as the one '
+            'before it has finished (the position in the queue is shown here while it waits).</div>')
+
+
+def render_plan(settings, service, errors: dict[str, str] | None = None) -> str:
+    """What a press of Generate will run with the inputs as they are now (``settings`` from
+    :meth:`AppService.check`), or what is wrong with them."""
+    from .service import FIELD_NAMES
+
+    if settings is None:
+        items = "; ".join(f"{FIELD_NAMES.get(k, k)}: {v}" for k, v in (errors or {}).items())
+        return f'<div class="aq-plan aq-sub"><b>Will not run:</b> {_esc(items)}</div>'
+    calls = settings.transformer_calls_per_method
+    cfg = (f"guidance {settings.guidance:g}: 2 transformer calls per step"
+           if settings.guidance > 1 else f"guidance {settings.guidance:g}: no classifier-free guidance")
+    seed = "a random seed" if settings.seed < 0 else f"seed {settings.seed}"
+    scope = {"self": "self-attention", "all": "self- and cross-attention"}[settings.fp4_scope]
+    four_bit = ("the PyTorch reference" if settings.device == "cpu" else
+                {"auto": "the Triton kernels where they apply", "torch": "the PyTorch reference",
+                 "triton": "the Triton kernels"}[settings.backend])
+    names = ", ".join(service.label(m) for m in settings.methods)
+    return (f'<div class="aq-plan aq-sub"><b>Will run:</b> {_esc(names)} · '
+            f"{settings.width}×{settings.height} (width×height), {settings.frames} frames at "
+            f"{settings.fps:g} fps · {settings.steps} steps ({_esc(cfg)}; {calls} calls per method) "
+            f"· shift {settings.shift:g} · {_esc(seed)} · {_esc(settings.dtype)} on "
+            f"{_esc(settings.device)} · 4-bit {_esc(scope)} by {_esc(four_bit)}"
+            + (f' · negative prompt “{_esc(settings.negative_prompt[:40])}'
+               f'{"…" if len(settings.negative_prompt) > 40 else ""}”' if settings.negative_prompt
+               else " · no negative prompt")
+            + "</div>")
 
 
 def render_error(message: str, title: str = "Generation failed") -> str:
@@ -229,22 +336,24 @@ def record_notes(record: dict[str, Any]) -> list[str]:
     if record.get("model_weights_note"):
         out.append(f"Model: {record['model_weights_note']}")
     if record.get("qat_weights_note"):
-        out.append(f"Attn-QAT: {record['qat_weights_note']}")
+        out.append(f"{method_label(record, 'attnqat')}: {record['qat_weights_note']}")
     return out
 
 
 def render_summary(record: dict[str, Any], seconds: float | None = None,
                    skip_notes: Sequence[str] = ()) -> str:
-    """The settings actually used (seed included), then the record's notes on the weights (those
-    not in ``skip_notes``, i.e. not already on the page)."""
+    """The settings actually used (seed and precision included), then the record's notes on the
+    weights (those not in ``skip_notes``, i.e. not already on the page)."""
     s = record.get("settings", {})
     scope = {"self": "self-attention", "all": "self- and cross-attention"}.get(s.get("fp4_scope"),
                                                                              s.get("fp4_scope"))
+    precision = (record.get("precision") or {}).get("dtype") or s.get("dtype")
     parts = [f"seed <b>{_esc(record.get('seed'))}</b>",
-             f"{_esc(s.get('height'))}×{_esc(s.get('width'))}",
+             f"{_esc(s.get('width'))}×{_esc(s.get('height'))}",
              f"{_esc(s.get('frames'))} frames at {float(s.get('fps', 0)):g} fps",
              f"{_esc(s.get('steps'))} steps", f"guidance {float(s.get('guidance', 0)):g}",
-             f"shift {float(s.get('shift', 0)):g}", f"4-bit {_esc(scope)}", _esc(s.get("device"))]
+             f"shift {float(s.get('shift', 0)):g}", f"4-bit {_esc(scope)}",
+             f"{_esc(precision)} on {_esc(s.get('device'))}"]
     if record.get("text_encoding_s") is not None:
         parts.append(f"text encoding {fmt_seconds(record['text_encoding_s'])} (shared)")
     if seconds is not None:
@@ -255,6 +364,6 @@ def render_summary(record: dict[str, Any], seconds: float | None = None,
     return head + render_notes([n for n in record_notes(record) if n not in skip_notes])
 
 
-__all__ = ["ResultView", "file_url", "fmt_bytes", "fmt_seconds", "metric_rows", "read_static",
-           "record_notes", "render_error", "render_input_errors", "render_notes", "render_player",
-           "render_progress", "render_summary"]
+__all__ = ["ResultView", "file_url", "fmt_bytes", "fmt_seconds", "method_label", "metric_rows",
+           "read_static", "record_notes", "render_error", "render_input_errors", "render_notes",
+           "render_plan", "render_player", "render_progress", "render_queued", "render_summary"]

@@ -1,8 +1,12 @@
 """What the comparison app does behind the page: one loaded model, checked inputs, one generation at
 a time, a folder per request, old folders removed.
 
-:class:`AppService` holds the models loaded once at start (:func:`attnqat.wan.load_models`) and calls
-:func:`attnqat.generate.generate` with them. The attention method is state on the loaded
+:class:`AppService` holds the models loaded once at start (:func:`attnqat.wan.load_models`). A request
+is checked once by :func:`attnqat.generate.resolve_settings` (:meth:`AppService.check`, with the app's
+own :class:`~attnqat.generate.Limits`), which gives the complete settings or an
+:class:`~attnqat.generate.InvalidInput` naming each bad field; :meth:`AppService.run` then runs
+exactly those settings (:func:`attnqat.generate.run_methods`, nothing validated again) and follows
+them through the step callback (:class:`Progress`). The attention method is state on the loaded
 transformer, so generations never overlap: :meth:`AppService.run` holds a lock for the whole
 generation (the web app also limits the generate events to one at a time).
 
@@ -20,7 +24,6 @@ kept; only folders named like the app's own are ever deleted.
 from __future__ import annotations
 
 import gc
-import math
 import os
 import re
 import secrets
@@ -37,18 +40,26 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from attnqat.generate import (GENERATION_METHODS, GenerationError, generate, resolve_settings)
-from attnqat.wan import FP4_SCOPES, WanModels
+from attnqat.generate import (GENERATION_METHODS, METHOD_LABELS, GenerationError, GenerationSettings,
+                              InvalidInput, Limits, StepEvent, method_label, resolve_settings,
+                              run_methods, write_outputs)
+from attnqat.record import GenerationRecord, Timings
+from attnqat.wan import WanModels
 
-#: How each method is named in the page.
-METHOD_LABELS = {"bf16": "BF16", "nvfp4": "NVFP4", "sage3": "SageAttention3", "attnqat": "Attn-QAT"}
-#: One line under each label.
-METHOD_NOTES = {"bf16": "reference", "nvfp4": "4-bit attention dropped in",
-                "sage3": "4-bit with outlier smoothing", "attnqat": "4-bit, QAT fine-tuned model"}
+#: One line under each method's label (Attn-QAT's depends on its weights: :meth:`AppService.note`).
+METHOD_NOTES = {"bf16": "reference: attention without quantization",
+                "nvfp4": "4-bit attention dropped in", "sage3": "4-bit with outlier smoothing"}
+QAT_NOTE_FINE_TUNED = "4-bit attention in the model fine-tuned with Attn-QAT"
+QAT_NOTE_BASE_COPY = "4-bit attention on a copy of the base weights: the same clip as NVFP4"
 
 #: Inputs of a generation, in the order of the API endpoint's parameters.
 FIELDS = ("prompt", "methods", "seed", "steps", "guidance", "shift", "resolution", "frames",
           "negative_prompt", "fp4_scope")
+FIELD_NAMES = {"prompt": "Prompt", "methods": "Methods", "seed": "Seed", "steps": "Steps",
+               "guidance": "Guidance", "shift": "Shift", "resolution": "Resolution",
+               "frames": "Frames", "negative_prompt": "Negative prompt", "fp4_scope": "FP4 scope"}
+#: generate's fields that the page shows as one of its own.
+_PAGE_FIELD = {"height": "resolution", "width": "resolution"}
 
 #: Environment variable of the fault-injection hook used by the tests (off when unset).
 FAULT_ENV = "ATTNQAT_APP_FAULT"
@@ -58,18 +69,19 @@ MARKER = ".attnqat-app"  # written in the output root
 _NAME = re.compile(r"^\d{8}-\d{6}-\d{6}-[0-9a-f]{16}$")
 
 
-class InputError(ValueError):
-    """Invalid inputs: ``errors`` maps a field of :data:`FIELDS` to a message for the page."""
+def page_errors(exc: InvalidInput) -> dict[str, str]:
+    """generate's field errors as the page's fields (height and width are the resolution)."""
+    out: dict[str, str] = {}
+    for name, message in exc.errors.items():
+        page = _PAGE_FIELD.get(name, name)
+        if name in _PAGE_FIELD:
+            message = f"{name} {message}"
+        out[page] = f"{out[page]}; {message}" if page in out else message
+    return out
 
-    def __init__(self, errors: dict[str, str]):
-        self.errors = dict(errors)
-        super().__init__("; ".join(f"{FIELD_NAMES.get(k, k)}: {v}" for k, v in errors.items()))
 
-
-FIELD_NAMES = {"prompt": "Prompt", "methods": "Methods", "seed": "Seed", "steps": "Steps",
-                      "guidance": "Guidance", "shift": "Shift", "resolution": "Resolution",
-                      "frames": "Frames", "negative_prompt": "Negative prompt",
-                      "fp4_scope": "FP4 scope"}
+def describe_errors(errors: dict[str, str]) -> str:
+    return "; ".join(f"{FIELD_NAMES.get(k, k)}: {v}" for k, v in errors.items())
 
 
 class GenerationFailed(RuntimeError):
@@ -77,25 +89,18 @@ class GenerationFailed(RuntimeError):
 
 
 class GenerationCancelled(RuntimeError):
-    """The request was abandoned (the page was closed); raised inside the denoising loop."""
+    """The request was stopped (Stop, or the page was closed); raised from the step callback."""
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Largest inputs the app accepts (the model's defaults are always allowed)."""
-
-    max_side: int = 1280
-    max_frames: int = 81
-    max_steps: int = 100
-    max_prompt_chars: int = 2000
-    max_guidance: float = 30.0
-    max_shift: float = 30.0
+#: The app's bounds (the model's defaults are always allowed; see :meth:`AppService.__init__`).
+APP_LIMITS = Limits(max_side=1280, max_frames=81, max_steps=100, max_prompt_chars=2000,
+                    max_guidance=30.0, max_shift=30.0)
 
 
 @dataclass(frozen=True)
 class Fault:
-    """A failure injected inside generation, for tests: ``kind`` at the first transformer call of
-    ``method`` (any method when None). Parsed from ``ATTNQAT_APP_FAULT=KIND[@METHOD]``."""
+    """A failure injected inside generation, for tests: ``kind`` as ``method`` (any method when
+    None) starts denoising. Parsed from ``ATTNQAT_APP_FAULT=KIND[@METHOD]``."""
 
     kind: str
     method: str | None = None
@@ -119,25 +124,9 @@ class Fault:
         return RuntimeError(f"simulated failure ({FAULT_ENV}) during {method}")
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """Checked inputs of one generation (``seed`` −1 means: draw one when it runs)."""
-
-    prompt: str
-    methods: tuple[str, ...]
-    seed: int
-    steps: int
-    guidance: float
-    shift: float
-    height: int
-    width: int
-    frames: int
-    negative_prompt: str = ""
-    fp4_scope: str = "self"
-
-    @property
-    def size(self) -> str:
-        return f"{self.height}×{self.width}×{self.frames}"
+def size_text(settings: GenerationSettings) -> str:
+    """``"832×480×81"``: width × height × frames, as Wan writes sizes."""
+    return f"{settings.width}×{settings.height}×{settings.frames}"
 
 
 @dataclass
@@ -150,7 +139,7 @@ class RunOutput:
 
     run_id: str
     folder: Path
-    record: dict[str, Any]
+    record: GenerationRecord
     clips: dict[str, Path]
     side_by_side: Path
     record_path: Path
@@ -162,28 +151,29 @@ class RunOutput:
 # Progress
 # ----------------------------------------------------------------------------------------------
 
+@dataclass
+class _MethodProgress:
+    state: str = "waiting"  # waiting → denoising → decoding → done
+    step: int = 0
+    started: float | None = None
+    denoise_started: float | None = None
+    timings: Timings | None = None
+
+
 class Progress:
-    """Progress of one generation, per method and per denoising step; safe to read from another
-    thread (:meth:`snapshot`).
+    """Progress of one generation, per method and per denoising step, fed by generate's step
+    callback (:meth:`on_step`); safe to read from another thread (:meth:`snapshot`)."""
 
-    It counts transformer calls (a forward pre-hook, ``calls_per_step`` per denoising step) and
-    the one-line log that :func:`attnqat.generate.run_methods` writes after each method's decode.
-    """
-
-    def __init__(self, methods: Sequence[str], steps: int, calls_per_step: int):
+    def __init__(self, methods: Sequence[str], steps: int, labels: dict[str, str] | None = None):
         self.methods = tuple(methods)
         self.steps = steps
-        self.calls_per_step = calls_per_step
+        self.labels = {m: (labels or {}).get(m, METHOD_LABELS.get(m, m)) for m in self.methods}
         self._lock = threading.Lock()
-        self._calls = 0
-        self._decoded: set[str] = set()
-        self.phase = "waiting"  # waiting → text → denoising → writing → done | failed
+        self._per = {m: _MethodProgress() for m in self.methods}
+        self.phase = "waiting"  # waiting → text → denoising → decoding → writing → done | failed
+        self.current: str | None = None
         self.started = time.monotonic()
         self.listeners: list[Callable[["Progress"], None]] = []
-
-    @property
-    def calls_per_method(self) -> int:
-        return self.steps * self.calls_per_step
 
     def _notify(self) -> None:
         for fn in list(self.listeners):
@@ -195,69 +185,79 @@ class Progress:
     def set_phase(self, phase: str) -> None:
         with self._lock:
             self.phase = phase
+            if phase == "text":
+                self.started = time.monotonic()
         self._notify()
 
     def current_method(self) -> str | None:
         with self._lock:
-            return self._current_locked()
+            return self.current
 
-    def _current_locked(self) -> str | None:
-        if self._calls == 0:
+    def on_step(self, event: StepEvent) -> None:
+        """generate's step callback: record where the generation stands."""
+        now = time.monotonic()
+        with self._lock:
+            if event.phase == "text":
+                self.phase = "text"
+            elif event.method in self._per:
+                row = self._per[event.method]
+                self.current = event.method
+                self.phase = event.phase if event.phase != "done" else "denoising"
+                if event.phase == "denoising":
+                    if event.step == 0:
+                        row.started = row.denoise_started = now
+                    row.state, row.step = "denoising", event.step
+                elif event.phase == "decoding":
+                    row.state, row.step = "decoding", event.steps
+                elif event.phase == "done":
+                    row.state, row.step, row.timings = "done", event.steps, event.timings
+                    if all(r.state == "done" for r in self._per.values()):
+                        self.phase, self.current = "writing", None
+        self._notify()
+
+    def _eta_locked(self, now: float) -> float | None:
+        """Seconds left: steps left × the time per step so far, plus a decode per method left
+        (as long as the decodes so far took; unknown until the first step is done)."""
+        done = [r.timings for r in self._per.values() if r.timings is not None]
+        step_times = [t.denoising_s / self.steps for t in done if t.denoising_s]
+        decodes = [t.decoding_s for t in done if t.decoding_s is not None]
+        cur = self._per.get(self.current) if self.current else None
+        if cur is not None and cur.state == "denoising" and cur.step > 0 and cur.denoise_started:
+            step_times.append((now - cur.denoise_started) / cur.step)
+        if not step_times:
             return None
-        return self.methods[min((self._calls - 1) // self.calls_per_method, len(self.methods) - 1)]
-
-    def on_transformer_call(self) -> str:
-        """Called before each transformer forward; returns the method it belongs to."""
-        with self._lock:
-            self.phase = "denoising"
-            i = min(self._calls // self.calls_per_method, len(self.methods) - 1)
-            for m in self.methods[:i]:
-                self._decoded.add(m)
-            self._calls += 1
-            method = self.methods[i]
-        self._notify()
-        return method
-
-    def on_log(self, message: str) -> None:
-        """``run_methods`` logs ``"<method>: denoising … decoding …"`` once a method is decoded."""
-        slot = message.split(":", 1)[0].strip()
-        with self._lock:
-            if slot in self.methods:
-                self._decoded.add(slot)
-                if len(self._decoded) == len(self.methods):
-                    self.phase = "writing"
-        self._notify()
+        per_step = step_times[-1]
+        decode = sum(decodes) / len(decodes) if decodes else per_step * 2
+        left = 0.0
+        for r in self._per.values():
+            if r.state in ("waiting", "denoising"):
+                left += (self.steps - r.step) * per_step + decode
+            elif r.state == "decoding":
+                left += decode / 2
+        return left
 
     def snapshot(self) -> dict[str, Any]:
-        """``{"phase", "elapsed_s", "fraction", "current", "methods": [{"method", "state", "step",
-        "steps", "fraction"}]}`` with state one of waiting, denoising, decoding, done."""
+        """``{"phase", "elapsed_s", "eta_s", "fraction", "current", "methods": [{"method",
+        "label", "state", "step", "steps", "fraction", "timings"}]}`` with state one of waiting,
+        denoising, decoding, done; ``eta_s`` None until one step has been timed."""
+        now = time.monotonic()
         with self._lock:
             per = []
-            units_done = 0
-            cpm = self.calls_per_method
-            for i, m in enumerate(self.methods):
-                calls = min(max(self._calls - i * cpm, 0), cpm)
-                if m in self._decoded:
-                    state, calls = "done", cpm
-                elif calls == cpm:
-                    state = "decoding"
-                elif calls > 0:
-                    state = "denoising"
-                else:
-                    state = "waiting"
-                step = calls // self.calls_per_step
-                frac = (calls + (1 if state == "done" else 0)) / (cpm + 1)
-                units_done += calls + (1 if state == "done" else 0)
-                per.append({"method": m, "state": state, "step": step, "steps": self.steps,
-                            "fraction": frac})
-            total = len(self.methods) * (cpm + 1)
-            return {"phase": self.phase, "elapsed_s": time.monotonic() - self.started,
-                    "fraction": units_done / total if total else 0.0,
-                    "current": self._current_locked() if self.phase == "denoising" else None,
-                    "methods": per}
+            units = 0.0
+            for m in self.methods:
+                r = self._per[m]
+                done_units = r.step + (1 if r.state == "done" else 0)
+                units += done_units
+                per.append({"method": m, "label": self.labels[m], "state": r.state, "step": r.step,
+                            "steps": self.steps, "fraction": done_units / (self.steps + 1),
+                            "timings": r.timings})
+            total = len(self.methods) * (self.steps + 1)
+            return {"phase": self.phase, "elapsed_s": now - self.started,
+                    "eta_s": self._eta_locked(now), "fraction": units / total if total else 0.0,
+                    "current": self.current, "methods": per}
 
     def describe(self) -> str:
-        """One line for a progress bar: ``"nvfp4 · step 7/20"``."""
+        """One line for a progress bar: ``"NVFP4 · step 7/20"``."""
         snap = self.snapshot()
         if snap["phase"] == "waiting":
             return "waiting for the previous generation to finish"
@@ -266,11 +266,10 @@ class Progress:
         if snap["phase"] == "writing":
             return "writing the videos"
         for row in snap["methods"]:
-            if row["state"] in ("denoising", "decoding"):
-                label = METHOD_LABELS[row["method"]]
-                if row["state"] == "decoding":
-                    return f"{label} · decoding"
-                return f"{label} · step {row['step'] + 1}/{row['steps']}"
+            if row["state"] == "decoding":
+                return f"{row['label']} · decoding"
+            if row["state"] == "denoising":
+                return f"{row['label']} · step {min(row['step'] + 1, row['steps'])}/{row['steps']}"
         return snap["phase"]
 
 
@@ -282,65 +281,14 @@ _RES = re.compile(r"^\s*(\d+)\s*[x×*,]\s*(\d+)\s*$", re.IGNORECASE)
 
 
 def parse_resolution(text: Any) -> tuple[int, int]:
-    """``"480x832"`` (height × width; ``×``, ``*`` and spaces accepted) → (480, 832).
+    """``"832x480"`` (width × height, as Wan writes it; ``×``, ``*`` and spaces accepted) →
+    (width, height) = (832, 480).
 
     Raises ValueError with a message for the page."""
     if not isinstance(text, str) or not _RES.match(text.split("(")[0]):
-        raise ValueError(f"expected height×width such as 480x832, got {text!r}")
+        raise ValueError(f"expected width×height such as 832x480, got {text!r}")
     m = _RES.match(text.split("(")[0])
     return int(m.group(1)), int(m.group(2))
-
-
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return _as_int(float(value)) if value.strip() else None
-        except ValueError:
-            return None
-    return None
-
-
-def _as_float(value: Any) -> float | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)) and math.isfinite(float(value)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            v = float(value)
-        except ValueError:
-            return None
-        return v if math.isfinite(v) else None
-    return None
-
-
-_OPTION_FIELD = {"--prompt": "prompt", "--methods": "methods", "method": "methods",
-                 "--seed": "seed", "--steps": "steps", "--guidance": "guidance",
-                 "--shift": "shift", "--height": "resolution", "--width": "resolution",
-                 "--frames": "frames", "--negative-prompt": "negative_prompt",
-                 "--fp4-scope": "fp4_scope"}
-
-
-def _field_of(message: str) -> str:
-    """The app field a :class:`GenerationError` message is about (it names a CLI option)."""
-    for option, name in _OPTION_FIELD.items():
-        if message.startswith(option) or f" {option}" in message or f"'{option}" in message:
-            return name
-    return "methods"
-
-
-def _page_message(message: str) -> str:
-    """A CLI-worded message of :mod:`attnqat.generate` reworded for the page."""
-    for option in ("--height", "--width", "--frames", "--steps", "--guidance", "--shift",
-                   "--prompt", "--seed", "--fp4-scope"):
-        message = message.replace(option, option[2:].replace("-", " "))
-    return message.replace("pass --qat-transformer", "start the app with --qat-transformer")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,9 +340,11 @@ class AppService:
         d = self.info.defaults
         if limits is None:
             tiny = self.info.kind == "tiny-wan"
-            limits = Limits(max_side=512 if tiny else 1280,
-                            max_frames=max(81, int(d["frames"])),
-                            max_steps=max(100, int(d["steps"])))
+            limits = Limits(max_side=512 if tiny else APP_LIMITS.max_side,
+                            max_frames=max(APP_LIMITS.max_frames, int(d["frames"])),
+                            max_steps=max(APP_LIMITS.max_steps, int(d["steps"])),
+                            max_prompt_chars=APP_LIMITS.max_prompt_chars,
+                            max_guidance=APP_LIMITS.max_guidance, max_shift=APP_LIMITS.max_shift)
         self.limits = limits
         self._lock = threading.Lock()
         self.runs_done = 0
@@ -412,6 +362,17 @@ class AppService:
     def available_methods(self) -> list[str]:
         return [m for m, why in self.availability().items() if why is None]
 
+    def label(self, method: str) -> str:
+        """The method's name on the page (Attn-QAT's says which weights it runs)."""
+        return method_label(method, self.models.qat_info)
+
+    def note(self, method: str) -> str:
+        """One line under the method's name."""
+        if method == "attnqat":
+            info = self.models.qat_info or {}
+            return QAT_NOTE_FINE_TUNED if info.get("fine_tuned") else QAT_NOTE_BASE_COPY
+        return METHOD_NOTES[method]
+
     @property
     def defaults(self) -> dict[str, Any]:
         """The model's generation defaults, shift filled in."""
@@ -423,201 +384,129 @@ class AppService:
         return d
 
     def resolution_presets(self) -> list[tuple[str, str]]:
-        """(label, value) choices, value ``"HxW"``, the model's default first."""
+        """(label, value) choices, value ``"WxH"`` (width × height, as Wan writes it), the model's
+        default first."""
         d = self.info.defaults
-        default = (int(d["height"]), int(d["width"]))
+        default = (int(d["width"]), int(d["height"]))
         if self.info.kind == "tiny-wan":
-            sizes = [(128, 128, "square"), (128, 224, "landscape"), (224, 128, "portrait"),
+            sizes = [(128, 128, "square"), (224, 128, "landscape"), (128, 224, "portrait"),
                      (64, 64, "quick"), (32, 32, "quickest")]
         else:
             layers = getattr(self.models.pipe.transformer.config, "num_layers", 0)
-            sizes = [(480, 832, "480p landscape"), (832, 480, "480p portrait")]
+            sizes = [(832, 480, "480p landscape"), (480, 832, "480p portrait")]
             if layers >= 40:  # 14B: trained at 720p as well
-                sizes += [(720, 1280, "720p landscape"), (1280, 720, "720p portrait")]
+                sizes += [(1280, 720, "720p landscape"), (720, 1280, "720p portrait")]
         out: list[tuple[str, str]] = []
-        if default not in [(h, w) for h, w, _ in sizes]:
+        if default not in [(w, h) for w, h, _ in sizes]:
             sizes.insert(0, (*default, "model default"))
         sizes.sort(key=lambda s: (s[0], s[1]) != default)
-        for h, w, what in sizes:
-            tag = f"{what}, default" if (h, w) == default else what
-            out.append((f"{h}×{w} ({tag})", f"{h}x{w}"))
+        for w, h, what in sizes:
+            tag = f"{what}, default" if (w, h) == default else what
+            out.append((f"{w}×{h} ({tag})", f"{w}x{h}"))
         return out
 
     # -- inputs -------------------------------------------------------------------------------
     def check(self, prompt: Any, methods: Any, seed: Any = -1, steps: Any = None,
               guidance: Any = None, shift: Any = None, resolution: Any = None, frames: Any = None,
-              negative_prompt: Any = "", fp4_scope: Any = "self") -> GenerationRequest:
-        """Check every input (nothing heavy runs). None takes the model's default.
+              negative_prompt: Any = None, fp4_scope: Any = "self") -> GenerationSettings:
+        """The settings a request will run (nothing heavy runs), checked by
+        :func:`attnqat.generate.resolve_settings` with the app's limits. None (or an empty text)
+        takes the model's default; seed −1 draws one when it runs.
 
         Raises:
-            InputError: with one message per invalid field.
+            InvalidInput: with one message per invalid field of :data:`FIELDS`.
         """
         errors: dict[str, str] = {}
-        lim = self.limits
-        d = self.defaults
-
-        if not isinstance(prompt, str) or not prompt.strip():
-            errors["prompt"] = "enter a prompt (the text is empty)"
-        elif len(prompt) > lim.max_prompt_chars:
-            errors["prompt"] = f"at most {lim.max_prompt_chars} characters, got {len(prompt)}"
-
-        chosen: list[str] = []
-        if isinstance(methods, str):
-            methods = [m for m in methods.split(",") if m.strip()]
-        if not isinstance(methods, (list, tuple)) or not methods:
-            errors["methods"] = "select at least one method"
-        else:
-            unknown = [m for m in methods if m not in GENERATION_METHODS]
-            avail = self.availability()
-            blocked = [m for m in methods if m in avail and avail[m] is not None]
-            if unknown:
-                errors["methods"] = (f"unknown method(s) {', '.join(map(repr, unknown))}; expected "
-                                     f"some of {', '.join(GENERATION_METHODS)}")
-            elif len(set(methods)) != len(methods):
-                errors["methods"] = "a method is listed more than once"
-            elif blocked:
-                errors["methods"] = "; ".join(f"{METHOD_LABELS[m]} cannot run: {avail[m]}"
-                                              for m in blocked)
-            else:
-                chosen = [m for m in GENERATION_METHODS if m in methods]  # display order
-
-        seed_i = -1 if seed is None or seed == "" else _as_int(seed)
-        if seed_i is None or not (seed_i == -1 or 0 <= seed_i < 2 ** 63):
-            errors["seed"] = f"an integer from 0 to 2^63−1, or −1 for a random seed; got {seed!r}"
-
-        steps_i = int(d["steps"]) if steps is None else _as_int(steps)
-        if steps_i is None or not 1 <= steps_i <= lim.max_steps:
-            errors["steps"] = f"a whole number from 1 to {lim.max_steps}, got {steps!r}"
-
-        guid = float(d["guidance"]) if guidance is None else _as_float(guidance)
-        if guid is None or not 0 <= guid <= lim.max_guidance:
-            errors["guidance"] = (f"a number from 0 to {lim.max_guidance:g} (≤ 1 turns "
-                                  f"classifier-free guidance off), got {guidance!r}")
-
-        sh = float(d["shift"]) if shift is None else _as_float(shift)
-        if sh is None or not 0 < sh <= lim.max_shift:
-            errors["shift"] = f"a number above 0 and at most {lim.max_shift:g}, got {shift!r}"
-
-        h = w = 0
-        if resolution is None or resolution == "":
-            h, w = int(d["height"]), int(d["width"])
-        else:
+        width = height = None
+        if resolution is not None and resolution != "":
             try:
-                h, w = parse_resolution(resolution)
+                width, height = parse_resolution(resolution)
             except ValueError as exc:
                 errors["resolution"] = str(exc)
-            else:
-                bad = [f"{name} {v}" for name, v in (("height", h), ("width", w))
-                       if v < 16 or v % 16 or v > lim.max_side]
-                if bad:
-                    errors["resolution"] = (f"{', '.join(bad)}: each side must be a multiple of 16 "
-                                            f"from 16 to {lim.max_side} (the VAE downsamples by 8 "
-                                            "and the transformer patches by 2)")
-
-        frames_i = int(d["frames"]) if frames is None else _as_int(frames)
-        if frames_i is None or frames_i < 1 or (frames_i - 1) % 4 or frames_i > lim.max_frames:
-            errors["frames"] = (f"4k+1 frames (1, 5, 9, …, {lim.max_frames}) because the VAE "
-                                f"compresses time by 4; got {frames!r}")
-
-        if negative_prompt is None:
-            negative_prompt = ""
-        if not isinstance(negative_prompt, str):
-            errors["negative_prompt"] = "must be text"
-        elif len(negative_prompt) > lim.max_prompt_chars:
-            errors["negative_prompt"] = f"at most {lim.max_prompt_chars} characters"
-
-        if fp4_scope not in FP4_SCOPES:
-            errors["fp4_scope"] = f"one of {', '.join(FP4_SCOPES)}, got {fp4_scope!r}"
-
-        if errors:
-            raise InputError(errors)
-        req = GenerationRequest(prompt=prompt.strip(), methods=tuple(chosen), seed=seed_i,
-                                steps=steps_i, guidance=guid, shift=sh, height=h, width=w,
-                                frames=frames_i, negative_prompt=negative_prompt,
-                                fp4_scope=fp4_scope)
-        # The generation's own checks (the same ones `attnqat generate` runs).
+        if isinstance(methods, str):
+            methods = [m for m in methods.split(",") if m.strip()]
+        if isinstance(methods, (list, tuple)):
+            avail = self.availability()
+            blocked = [m for m in methods if avail.get(m)]
+            if blocked:
+                errors["methods"] = "; ".join(f"{self.label(m)} cannot run: {avail[m]}" for m in blocked)
+            elif len(set(methods)) == len(methods) and set(methods) <= set(GENERATION_METHODS):
+                methods = [m for m in GENERATION_METHODS if m in methods]  # display order
+        blank = (lambda v: None if v is None or (isinstance(v, str) and not v.strip()) else v)
         try:
-            self._resolve(req, seed=max(req.seed, 0))
-        except GenerationError as exc:
-            raise InputError({_field_of(str(exc)): _page_message(str(exc))}) from exc
-        return req
+            settings, _ = resolve_settings(
+                prompt if not isinstance(prompt, str) else prompt.strip(),
+                negative_prompt=negative_prompt, methods=methods if methods is not None else [],
+                seed=-1 if blank(seed) is None else seed, steps=blank(steps),
+                guidance=blank(guidance), shift=blank(shift), height=height, width=width,
+                frames=blank(frames), fp4_scope=fp4_scope, models=self.models, limits=self.limits)
+        except InvalidInput as exc:
+            for k, v in page_errors(exc).items():
+                errors.setdefault(k, v)
+            settings = None
+        if errors:
+            raise InvalidInput({k: errors[k] for k in FIELDS if k in errors})
+        return settings
 
     def field_errors(self, *values: Any) -> dict[str, str]:
         """``check`` on values in :data:`FIELDS` order; {} when they are valid."""
         try:
             self.check(*values[:len(FIELDS)])
-        except InputError as exc:
+        except InvalidInput as exc:
             return exc.errors
         return {}
 
-    def _resolve(self, req: GenerationRequest, seed: int):
-        qat = self.models.qat_info["path"] if self.models.qat_info else None
-        return resolve_settings(
-            req.prompt, negative_prompt=req.negative_prompt, methods=req.methods, seed=seed,
-            steps=req.steps, guidance=req.guidance, shift=req.shift, height=req.height,
-            width=req.width, frames=req.frames, model=self.info.source,
-            device=str(self.models.device), fp4_scope=req.fp4_scope, offload=self.models.offload,
-            info=self.info, loaded_qat=qat)
-
     # -- generation ---------------------------------------------------------------------------
-    def new_progress(self, req: GenerationRequest) -> Progress:
-        return Progress(req.methods, req.steps, 2 if req.guidance > 1.0 else 1)
+    def new_progress(self, settings: GenerationSettings) -> Progress:
+        return Progress(settings.methods, settings.steps,
+                        {m: self.label(m) for m in settings.methods})
 
-    def run(self, req: GenerationRequest, *, progress: Progress | None = None,
+    def run(self, settings: GenerationSettings, *, progress: Progress | None = None,
             cancel: threading.Event | None = None) -> RunOutput:
-        """Generate ``req`` into a new request folder (one generation at a time).
+        """Generate ``settings`` (from :meth:`check`) into a new request folder (one generation at
+        a time).
 
         Raises:
             GenerationFailed: with a message for the page (out of memory, any other failure).
-            GenerationCancelled: ``cancel`` was set.
+            GenerationCancelled: ``cancel`` was set (checked at every step).
         """
-        progress = progress or self.new_progress(req)
+        progress = progress or self.new_progress(settings)
         with self._lock:
             if cancel is not None and cancel.is_set():
-                raise GenerationCancelled("the request was abandoned before it started")
-            progress.started = time.monotonic()
+                raise GenerationCancelled("the request was stopped before it started")
             progress.set_phase("text")
             try:
-                out = self._run_locked(req, progress, cancel)
+                out = self._run_locked(settings, progress, cancel)
             except BaseException:
                 progress.set_phase("failed")
                 raise
             progress.set_phase("done")
             return out
 
-    def _hooks(self, progress: Progress, cancel: threading.Event | None):
+    def _step_callback(self, progress: Progress, cancel: threading.Event | None):
         fault = self.fault
         fired: list[bool] = []
 
-        def pre_hook(_module, _args):
+        def on_step(event: StepEvent) -> None:
             if cancel is not None and cancel.is_set():
-                raise GenerationCancelled("the request was abandoned")
-            method = progress.on_transformer_call()
-            if fault is not None and not fired and fault.method in (None, method):
+                raise GenerationCancelled("the request was stopped")
+            progress.on_step(event)
+            if (fault is not None and not fired and event.phase == "denoising" and event.step == 0
+                    and fault.method in (None, event.method)):
                 fired.append(True)
-                raise fault.exception(method)
+                raise fault.exception(event.method)
 
-        handles = []
-        seen: set[int] = set()
-        for t in (self.models.pipe.transformer, self.models.qat_transformer):
-            if t is not None and id(t) not in seen:
-                seen.add(id(t))
-                handles.append(t.register_forward_pre_hook(pre_hook))
-        return handles
+        return on_step
 
-    def _run_locked(self, req: GenerationRequest, progress: Progress,
+    def _run_locked(self, settings: GenerationSettings, progress: Progress,
                     cancel: threading.Event | None) -> RunOutput:
-        seed = req.seed if req.seed >= 0 else secrets.randbelow(2 ** 31)
         run_id = _stamp()
         folder = self.runs_root / run_id
-        handles = self._hooks(progress, cancel)
         t0 = time.monotonic()
         try:
-            result = generate(req.prompt, negative_prompt=req.negative_prompt, methods=req.methods,
-                              seed=seed, steps=req.steps, guidance=req.guidance, shift=req.shift,
-                              height=req.height, width=req.width, frames=req.frames,
-                              fp4_scope=req.fp4_scope, models=self.models, out=folder,
-                              progress=False, log=progress.on_log)
+            result = run_methods(self.models, settings, progress=False,
+                                 on_step=self._step_callback(progress, cancel))
+            write_outputs(result, settings, folder)
         except GenerationCancelled:
             self._after_failure(folder)
             raise
@@ -628,25 +517,22 @@ class AppService:
             hint = "try fewer frames or a smaller resolution"
             if self.models.device.type == "cuda" and not self.models.offload:
                 hint = "try fewer frames, a smaller resolution, or restart the app with --offload"
-            raise GenerationFailed(f"Out of memory {where} at {req.size} "
-                                   f"(height×width×frames): {hint}.") from exc
+            raise GenerationFailed(f"Out of memory {where} at {size_text(settings)} "
+                                   f"(width×height×frames): {hint}.") from exc
         except GenerationError as exc:
             self._after_failure(folder)
-            raise GenerationFailed(_page_message(str(exc))) from exc
+            raise GenerationFailed(str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - every failure becomes one message
             method = progress.current_method()
             self._after_failure(folder)
             traceback.print_exc(file=sys.stderr)
             where = f" with {method}" if method else " while encoding the prompt"
-            raise GenerationFailed(f"Generation failed{where} at {req.size}: "
+            raise GenerationFailed(f"Generation failed{where} at {size_text(settings)}: "
                                    f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            for h in handles:
-                h.remove()
         folder = Path(result.out)
         media_dir = self.media_root / _stamp()
         media_dir.mkdir()
-        clips = {m: folder / result.record["methods"][m]["video"] for m in req.methods}
+        clips = {m: folder / result.record.methods[m].video for m in settings.methods}
         media = {}
         for m, path in clips.items():
             dst = media_dir / f"{secrets.token_hex(8)}.mp4"
@@ -654,7 +540,7 @@ class AppService:
             media[m] = dst
         self.runs_done += 1
         out = RunOutput(run_id=run_id, folder=folder, record=result.record, clips=clips,
-                        side_by_side=folder / result.record["side_by_side"],
+                        side_by_side=folder / result.record.side_by_side,
                         record_path=folder / "record.json", media=media,
                         seconds=time.monotonic() - t0)
         self.prune()
@@ -688,21 +574,22 @@ class AppService:
 
 
 def load_service(model: str | None = None, *, qat_transformer: str | None = "auto",
-                 device: str = "auto", offload: bool = False, output_dir: str | Path | None = None,
-                 keep: int = 20, fault: Fault | None = None,
+                 device: str = "auto", dtype: str = "auto", offload: bool = False,
+                 output_dir: str | Path | None = None, keep: int = 20, fault: Fault | None = None,
                  log: Callable[[str], None] | None = None) -> AppService:
     """Load the models once and return the service (``qat_transformer="auto"``: the one the model
-    folder names, if any)."""
-    from attnqat.wan import DEFAULT_MODEL, load_models
+    folder names, if any; ``dtype="auto"``: what the device runs natively)."""
+    from attnqat.wan import DEFAULT_MODEL, dtype_name, load_models
 
     t0 = time.perf_counter()
     models = load_models(model or DEFAULT_MODEL, qat_transformer=qat_transformer, device=device,
-                         offload=offload)
+                         offload=offload, dtype=dtype)
     if log is not None:
-        log(f"loaded {models.info.source} on {models.device} in {time.perf_counter() - t0:.1f} s")
+        log(f"loaded {models.info.source} on {models.device} in {time.perf_counter() - t0:.1f} s, "
+            f"computing in {dtype_name(models.dtype)} ({models.dtype_reason})")
     return AppService(models, output_dir=output_dir, keep=keep, fault=fault)
 
 
-__all__ = ["AppService", "FAULT_ENV", "FIELDS", "Fault", "GenerationCancelled", "GenerationFailed",
-           "GenerationRequest", "InputError", "Limits", "METHOD_LABELS", "METHOD_NOTES", "Progress",
-           "RunOutput", "load_service", "parse_resolution"]
+__all__ = ["APP_LIMITS", "AppService", "FAULT_ENV", "FIELDS", "FIELD_NAMES", "Fault",
+           "GenerationCancelled", "GenerationFailed", "METHOD_NOTES", "Progress", "RunOutput",
+           "describe_errors", "load_service", "page_errors", "parse_resolution", "size_text"]

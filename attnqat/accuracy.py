@@ -18,6 +18,7 @@ import json
 import platform
 import time
 from datetime import date
+from pathlib import Path
 
 import torch
 
@@ -74,29 +75,68 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def default_json() -> Path:
+    return Path("runs") / "bench_accuracy.json"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seq", type=int, default=1024, help="sequence length (queries = keys)")
-    parser.add_argument("--heads", type=int, default=4, help="number of heads")
-    parser.add_argument("--head-dim", type=int, default=128, help="head dimension")
-    parser.add_argument("--batch", type=int, default=1, help="batch size")
+    parser.add_argument("--seq", type=int, default=1024, help="sequence length (queries = keys), at least 1")
+    parser.add_argument("--heads", type=int, default=4, help="number of heads, at least 1")
+    parser.add_argument("--head-dim", type=int, default=128,
+                        help="head dimension, a positive multiple of 16 (NVFP4 blocks are 16 wide)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size, at least 1")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                        help="comma-separated 4-bit methods to compare with bf16 (nvfp4, sage3)")
+                        help="comma-separated 4-bit methods to compare with bf16 (nvfp4, sage3, "
+                             "attnqat, dropin)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if available)")
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="attention backend for the 4-bit methods")
-    parser.add_argument("--json", metavar="PATH", help="also write the rows and settings to this JSON file")
+    parser.add_argument("--json", metavar="PATH", type=Path, default=None,
+                        help=f"write the rows and settings to this JSON file (None: {default_json()})")
+
+
+def _fail(message: str) -> SystemExit:
+    return SystemExit(f"attnqat bench accuracy: error: {message}")
+
+
+def _check_writable(path: Path) -> None:
+    """Refuse an output file that cannot be written, before any work starts: its folder is
+    created and the file opened for appending (a file that did not exist is removed again)."""
+    if path.is_dir():
+        raise _fail(f"--json {path} is a folder; give a file name")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise _fail(f"--json {path} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink()
 
 
 def run(args: argparse.Namespace) -> int:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     bad = [m for m in methods if m not in ("nvfp4", "sage3", "attnqat", "dropin")]
-    if bad:
-        raise SystemExit(f"attnqat bench accuracy: not a 4-bit method: {', '.join(bad)} "
-                         "(expected nvfp4, sage3, attnqat or dropin)")
+    if bad or not methods:
+        raise _fail(f"not a 4-bit method: {', '.join(bad) or '(none given)'} "
+                    "(expected nvfp4, sage3, attnqat or dropin)")
+    for name, value in (("--seq", args.seq), ("--heads", args.heads), ("--batch", args.batch)):
+        if value < 1:
+            raise _fail(f"{name} must be at least 1, got {value}")
+    if args.head_dim < 16 or args.head_dim % 16:
+        raise _fail(f"--head-dim must be a positive multiple of 16, got {args.head_dim}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("attnqat bench accuracy: --device cuda was asked for, but CUDA is not available here")
+        raise _fail("--device cuda was asked for, but CUDA is not available here")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise _fail(f"--device must be cpu, cuda, cuda:N or auto, got {args.device}")
+    if args.backend == "triton" and not device.startswith("cuda"):
+        raise _fail("--backend triton needs a CUDA GPU (the kernels run on CUDA tensors); use "
+                    "--backend auto or torch")
+    out = args.json or default_json()
+    _check_writable(out)
     rows = measure(methods=methods, B=args.batch, S=args.seq, H=args.heads, D=args.head_dim,
                    seed=args.seed, device=device, backend=args.backend)
     settings = {"batch": args.batch, "seq": args.seq, "heads": args.heads, "head_dim": args.head_dim,
@@ -107,7 +147,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"B={args.batch} S={args.seq} H={args.heads} D={args.head_dim}, inputs bf16, device {device}; "
           "against exact float32 attention")
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"settings": settings, "rows": rows}, f, indent=2)
+    out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0

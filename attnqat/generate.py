@@ -11,31 +11,40 @@ slot        transformer              attention at inference
 ``attnqat`` Attn-QAT fine-tuned      ``nvfp4`` (the QAT model deploys plain NVFP4 attention)
 =========== ======================== ===============================================
 
-By default only self-attention is 4-bit and cross-attention stays BF16 (``fp4_scope="self"``, the
-published recipe); ``fp4_scope="all"`` makes cross-attention 4-bit too.
+By default only self-attention is 4-bit and cross-attention stays unquantized (``fp4_scope="self"``,
+the published recipe); ``fp4_scope="all"`` makes cross-attention 4-bit too.
+
+The model computes in the dtype the device runs natively (:func:`attnqat.wan.resolve_dtype`: BF16 on
+CUDA and on CPUs with BF16 instructions, FP32 on other CPUs, where BF16 is emulated and several times
+slower); the record says which ran. Whatever the dtype, ``bf16`` is the method name of attention
+without quantization, the reference the 4-bit methods are compared with.
 
 Every slot starts from the same initial noise (drawn once from ``seed`` on the CPU) and the same prompt
 embeddings (the text encoder runs once). The denoising loop is diffusers' ``WanPipeline.__call__``
 (classifier-free guidance with two transformer calls per step, the UniPC flow scheduler), run here so
 each phase can be timed and each slot can use its own transformer.
 
-Inputs are validated before any model is loaded (:func:`resolve_settings`); files are written to a
-temporary folder beside ``out`` and moved into ``out`` only when everything succeeded. The output
+Inputs are validated once, before any model is loaded (:func:`resolve_settings`, which raises
+:class:`InvalidInput` naming each bad field); :class:`StepEvent` callbacks report progress; the
+result is a typed :class:`~attnqat.record.GenerationRecord`. Files are written to a temporary folder
+beside ``out`` and moved into ``out`` only when everything succeeded. The output
 format (``<method>.mp4``, ``side_by_side.mp4``, ``record.json``) is described in
 ``docs/development.md`` and ``docs/generate.md``.
 """
 
 from __future__ import annotations
 
-import json
+import copy
+import inspect
 import math
 import os
 import platform
+import secrets
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -44,8 +53,10 @@ import numpy as np
 import torch
 
 from . import video as vid
-from .wan import (DEFAULT_MODEL, FP4_SCOPES, ModelInfo, WanModels, default_shift, latent_shape,
-                  load_models, model_info, resolve_device, set_method)
+from .record import GenerationRecord, MethodRecord, Precision, QATRecord, Timings
+from .wan import (DEFAULT_MODEL, FP4_SCOPES, ModelInfo, ModelLoadError, WanModels, default_shift,
+                  dtype_name, latent_shape, load_models, model_info, resolve_device, resolve_dtype,
+                  set_method)
 
 GENERATION_METHODS = ("bf16", "nvfp4", "sage3", "attnqat")
 #: attention method each slot runs at inference
@@ -55,13 +66,54 @@ SLOT_ATTENTION = {"bf16": "bf16", "nvfp4": "nvfp4", "sage3": "sage3", "attnqat":
 MAX_SEQUENCE_LENGTH = 512
 
 
+#: How each method is named on the page and in summaries (``attnqat``: see
+#: :func:`method_label`, it depends on the weights).
+METHOD_LABELS = {"bf16": "BF16", "nvfp4": "NVFP4", "sage3": "SageAttention3", "attnqat": "Attn-QAT"}
+#: Largest seed (seeds are in [0, 2**63); −1 draws one).
+MAX_SEED = 2 ** 63 - 1
+#: Random seeds are drawn below this, so that they stay short enough to type back.
+RANDOM_SEED_BOUND = 2 ** 32
+
+
 class GenerationError(ValueError):
-    """Invalid generation input; the message names the option and what was expected."""
+    """A generation that cannot run as asked. ``field`` names the input it is about (a parameter
+    of :func:`generate`, e.g. ``"frames"``; the CLI shows it as ``--frames``), None when it is
+    about no single input."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.message = message
+
+
+class InvalidInput(GenerationError):
+    """One or more invalid inputs: ``errors`` maps each field to what is wrong with it (in the
+    order of :func:`generate`'s parameters). Raised before anything is loaded or written."""
+
+    def __init__(self, errors: dict[str, str]):
+        self.errors = dict(errors)
+        first = next(iter(self.errors))
+        super().__init__("; ".join(f"{k}: {v}" for k, v in self.errors.items()), first)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Upper bounds on the inputs (None: no bound). The CLI sets none; the app sets its own."""
+
+    max_side: int | None = None
+    max_frames: int | None = None
+    max_steps: int | None = None
+    max_prompt_chars: int | None = None
+    max_guidance: float | None = None
+    max_shift: float | None = None
 
 
 @dataclass
 class GenerationSettings:
-    """Validated, complete settings of one generation (every default filled in)."""
+    """Validated, complete settings of one generation (every default filled in).
+
+    ``seed`` −1 means a seed is drawn when the generation runs (the record holds the one used).
+    """
 
     prompt: str
     negative_prompt: str
@@ -77,6 +129,8 @@ class GenerationSettings:
     model: str
     qat_transformer: str | None
     device: str
+    dtype: str = "float32"
+    dtype_reason: str = ""
     fp4_scope: str = "self"
     backend: str = "auto"
     offload: bool = False
@@ -86,12 +140,17 @@ class GenerationSettings:
 
     def record(self) -> dict[str, Any]:
         """The settings as written to ``record.json`` (prompt, negative prompt and seed sit at its top
-        level)."""
+        level, the dtype's reason in its ``precision``)."""
         d = asdict(self)
-        for k in ("prompt", "negative_prompt", "seed", "out", "overwrite"):
+        for k in ("prompt", "negative_prompt", "seed", "out", "overwrite", "dtype_reason"):
             d.pop(k)
         d["methods"] = list(self.methods)
         return d
+
+    @property
+    def transformer_calls_per_method(self) -> int:
+        """Transformer forwards of one method: one per step, two with classifier-free guidance."""
+        return self.steps * (2 if self.guidance > 1.0 else 1)
 
 
 @dataclass
@@ -99,16 +158,43 @@ class GenerationResult:
     """What :func:`generate` returns.
 
     Attributes:
-        record: the content of ``record.json``.
+        record: the :class:`~attnqat.record.GenerationRecord` (``record.to_dict()`` is
+            ``record.json``).
         videos: method → (frames, height, width, 3) uint8 RGB.
         out: the folder written, or None when ``out`` was None.
         initial_latents: the noise every method started from (CPU, float32).
     """
 
-    record: dict[str, Any]
+    record: GenerationRecord
     videos: dict[str, np.ndarray]
     out: Path | None = None
     initial_latents: torch.Tensor | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What :func:`generate` passes to its ``on_step`` callback, as diffusers passes its
+    ``callback_on_step_end``: where the generation stands.
+
+    ``phase`` is ``"text"`` (before the prompt is encoded; ``method`` None), then for each method
+    ``"denoising"`` (``step`` = steps done: 0 when the method starts, then after each step),
+    ``"decoding"`` (the VAE runs) and ``"done"`` (the method's clip is ready; ``timings`` holds its
+    measurements). ``elapsed_s`` counts from the start of the generation. Raising in the callback
+    stops the generation: the exception propagates and nothing is written.
+    """
+
+    phase: str
+    method: str | None
+    step: int
+    steps: int
+    methods: tuple[str, ...]
+    elapsed_s: float
+    timings: Timings | None = None
+
+    @property
+    def index(self) -> int:
+        """Position of :attr:`method` in :attr:`methods` (−1 before the first method)."""
+        return self.methods.index(self.method) if self.method in self.methods else -1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,36 +202,93 @@ class GenerationResult:
 # ----------------------------------------------------------------------------------------------
 
 def parse_methods(methods: str | Sequence[str]) -> tuple[str, ...]:
-    """``"bf16,nvfp4"`` or a sequence → a tuple of distinct generation methods, in order."""
-    items = [m.strip() for m in methods.split(",")] if isinstance(methods, str) else [str(m).strip() for m in methods]
+    """``"bf16,nvfp4"`` or a sequence → a tuple of distinct generation methods, in order.
+
+    Raises:
+        GenerationError: with ``field="methods"``.
+    """
+    if isinstance(methods, str):
+        items = [m.strip() for m in methods.split(",")]
+    elif isinstance(methods, (list, tuple)):
+        items = [str(m).strip() for m in methods]
+    else:
+        raise GenerationError(f"expected some of {', '.join(GENERATION_METHODS)}, got {methods!r}",
+                              "methods")
     items = [m for m in items if m]
     if not items:
-        raise GenerationError(f"--methods is empty; expected some of {', '.join(GENERATION_METHODS)}")
+        raise GenerationError(f"select at least one method (some of {', '.join(GENERATION_METHODS)})",
+                              "methods")
     unknown = [m for m in items if m not in GENERATION_METHODS]
     if unknown:
         raise GenerationError(f"unknown method(s) {', '.join(map(repr, unknown))}; expected some of "
-                              f"{', '.join(GENERATION_METHODS)}")
+                              f"{', '.join(GENERATION_METHODS)}", "methods")
     dup = sorted({m for m in items if items.count(m) > 1})
     if dup:
-        raise GenerationError(f"method(s) listed more than once: {', '.join(dup)}")
+        raise GenerationError(f"method(s) listed more than once: {', '.join(dup)}", "methods")
     return tuple(items)
 
 
-def _int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise GenerationError(f"{name} must be an integer, got {value!r}")
-    return int(value)
+def _whole(value: Any) -> int | None:
+    """An integer given as int, as an integral float exactly representable (below 2**53), or as
+    text ("42", " −1 "); None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        return int(v) if math.isfinite(v) and v.is_integer() and abs(v) < 2 ** 53 else None
+    if isinstance(value, str):
+        text = value.strip().replace("\u2212", "-")
+        try:
+            return int(text)
+        except ValueError:
+            return None
+    return None
 
 
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise GenerationError(f"{name} must be a number, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise GenerationError(f"{name} must be finite, got {value!r}")
-    return v
+def _real(value: Any) -> float | None:
+    """A finite number given as a number or as text; None for anything else."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        v = float(value)
+    elif isinstance(value, str):
+        try:
+            v = float(value.strip().replace("\u2212", "-"))
+        except ValueError:
+            return None
+    else:
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _bound(limit: float | None) -> str:
+    return "" if limit is None else f" and at most {limit:g}"
+
+
+class _Checker:
+    """Collects one message per invalid field."""
+
+    def __init__(self):
+        self.errors: dict[str, str] = {}
+
+    def fail(self, name: str, message: str) -> None:
+        self.errors.setdefault(name, message)
+
+    def whole(self, name: str, value: Any, lo: int, hi: int | None, what: str) -> int | None:
+        v = _whole(value)
+        if v is None or v < lo or (hi is not None and v > hi):
+            self.fail(name, f"{what}; got {value!r}")
+            return None
+        return v
+
+    def real(self, name: str, value: Any, ok, what: str) -> float | None:
+        v = _real(value)
+        if v is None or not ok(v):
+            self.fail(name, f"{what}; got {value!r}")
+            return None
+        return v
 
 
 def _check_out(out: str | Path | None, overwrite: bool) -> str | None:
@@ -153,111 +296,213 @@ def _check_out(out: str | Path | None, overwrite: bool) -> str | None:
         return None
     p = Path(out).expanduser()
     if p.exists() and not p.is_dir():
-        raise GenerationError(f"--out {out} exists and is not a folder")
+        raise GenerationError(f"{out} exists and is not a folder", "out")
     if p.is_dir() and any(p.iterdir()) and not overwrite:
-        raise GenerationError(f"--out {out} exists and is not empty; choose a new folder or pass "
-                              "--overwrite to replace the files generate writes there")
-    return str(p.resolve())
+        raise GenerationError(f"{out} exists and is not empty; choose a new folder or pass "
+                              "--overwrite to replace the files generate writes there", "out")
+    p = p.resolve()
+    parent = next((q for q in (p, *p.parents) if q.exists()), None)
+    if parent is None or not os.access(parent, os.W_OK | os.X_OK):
+        raise GenerationError(f"cannot write to {out}: {parent} is not writable", "out")
+    return str(p)
 
 
-def resolve_settings(prompt: str, *, negative_prompt: str | None = None,
-                     methods: str | Sequence[str] = GENERATION_METHODS, seed: int = 0,
-                     steps: int | None = None, guidance: float | None = None,
-                     shift: float | None = None, height: int | None = None,
-                     width: int | None = None, frames: int | None = None,
-                     fps: float | None = None, model: str | Path = DEFAULT_MODEL,
-                     qat_transformer: str | Path | None = None, device: str = "auto",
-                     fp4_scope: str = "self", backend: str = "auto", offload: bool = False,
-                     out: str | Path | None = None, overwrite: bool = False,
-                     info: ModelInfo | None = None,
-                     loaded_qat: str | None = None) -> tuple[GenerationSettings, ModelInfo]:
+def _check_backend(backend: str, methods: Sequence[str], fp4_scope: str, device: torch.device,
+                   dtype: torch.dtype) -> str | None:
+    """Why ``backend`` cannot run these settings, or None. ``triton`` runs the 4-bit attention on
+    the Triton kernels only (no fallback); those need CUDA and BF16, and plain attention — the
+    ``bf16`` method, and cross-attention unless ``fp4_scope="all"`` — has no Triton kernel."""
+    if backend != "triton":
+        return None
+    if device.type != "cuda":
+        return (f"the Triton kernels need a CUDA GPU and this run is on {device}; use "
+                "--backend auto (the PyTorch reference on the CPU) or torch")
+    if "bf16" in methods:
+        return ("the bf16 method is plain attention (PyTorch SDPA) and has no Triton kernel; drop "
+                "bf16 from --methods or use --backend auto")
+    if fp4_scope == "self":
+        return ("with --fp4-scope self cross-attention runs plain bf16 attention, which has no "
+                "Triton kernel; pass --fp4-scope all or use --backend auto")
+    if dtype != torch.bfloat16:
+        return f"the Triton kernels take bfloat16 and this run computes in {dtype_name(dtype)}"
+    return None
+
+
+def resolve_settings(prompt: Any, *, negative_prompt: Any = None,
+                     methods: str | Sequence[str] = GENERATION_METHODS, seed: Any = -1,
+                     steps: Any = None, guidance: Any = None, shift: Any = None,
+                     height: Any = None, width: Any = None, frames: Any = None, fps: Any = None,
+                     model: str | Path = DEFAULT_MODEL, qat_transformer: str | Path | None = None,
+                     device: str = "auto", dtype: str = "auto", fp4_scope: str = "self",
+                     backend: str = "auto", offload: bool = False, out: str | Path | None = None,
+                     overwrite: bool = False, models: WanModels | None = None,
+                     limits: Limits | None = None) -> tuple[GenerationSettings, ModelInfo]:
     """Check every input and fill defaults from the model, without loading any weights.
 
-    Defaults come from the model (:func:`attnqat.wan.model_info`): the embedded tiny model gives
-    128×128, 33 frames, 16 fps, 20 steps, guidance 5, shift 3; a real Wan 2.1 model 480×832,
-    81 frames, 16 fps, 50 steps, guidance 5, shift 3 below 720p and 5 at 720p.
+    The one validation of a generation: the CLI, the Python API and the app all go through it.
+    Numbers may come as numbers or as text (``"42"``); integers must be whole (2.5 steps is an
+    error, not 2). None takes the model's default (:func:`attnqat.wan.model_info`): the embedded tiny
+    model gives 128×128, 33 frames, 16 fps, 20 steps, guidance 5, shift 3 and no negative prompt; a
+    real Wan 2.1 model 480×832, 81 frames, 16 fps, 50 steps, guidance 5, shift 3 below 720p and 5 at
+    720p, and Wan's own negative prompt. ``seed`` −1 draws a seed when the generation runs.
 
-    ``info`` and ``loaded_qat`` describe models that are already loaded (their ModelInfo and the
-    path of their Attn-QAT transformer, if any); then nothing about the model is looked up again.
+    ``models``, when given, are the already loaded models the generation will run on: their
+    device, dtype and Attn-QAT transformer are used and nothing is looked up again.
 
     Raises:
-        GenerationError: an input is invalid (the message names it and says what is expected).
-        attnqat.wan.ModelLoadError: the model folder does not exist or is not a Wan pipeline.
+        InvalidInput: every invalid input at once, each with its field and what is expected.
+        GenerationError: a request that cannot run as asked (its ``field`` says which input).
     """
+    lim = limits or Limits()
+    c = _Checker()
     if not isinstance(prompt, str) or not prompt.strip():
-        raise GenerationError("--prompt must be a non-empty text")
+        c.fail("prompt", "enter a prompt (the text is empty)")
+    elif lim.max_prompt_chars is not None and len(prompt) > lim.max_prompt_chars:
+        c.fail("prompt", f"at most {lim.max_prompt_chars} characters, got {len(prompt)}")
     if negative_prompt is not None and not isinstance(negative_prompt, str):
-        raise GenerationError(f"--negative-prompt must be text, got {type(negative_prompt).__name__}")
-    chosen = parse_methods(methods)
-    seed = _int("--seed", seed)
-    if not 0 <= seed < 2 ** 63:
-        raise GenerationError(f"--seed must be in [0, 2**63), got {seed}")
+        c.fail("negative_prompt", f"must be text, got {type(negative_prompt).__name__}")
+    elif (negative_prompt is not None and lim.max_prompt_chars is not None
+          and len(negative_prompt) > lim.max_prompt_chars):
+        c.fail("negative_prompt", f"at most {lim.max_prompt_chars} characters, got {len(negative_prompt)}")
+    chosen: tuple[str, ...] = ()
+    try:
+        chosen = parse_methods(methods)
+    except GenerationError as exc:
+        c.fail("methods", exc.message)
+    seed_i = _whole(seed)
+    if seed_i is None or not (seed_i == -1 or 0 <= seed_i <= MAX_SEED):
+        c.fail("seed", f"an integer from 0 to 2^63−1 ({MAX_SEED}), or −1 for a random seed; "
+                       f"got {seed!r}")
+    side = lim.max_side
+    hw = {}
+    for name, v in (("height", height), ("width", width)):
+        if v is not None:
+            hw[name] = c.whole(name, v, 16, side,
+                               f"a multiple of 16 from 16{'' if side is None else f' to {side}'} (the "
+                               "VAE downsamples by 8 and the transformer patches by 2)")
+            if hw[name] is not None and hw[name] % 16:
+                c.fail(name, f"a multiple of 16 (the VAE downsamples by 8 and the transformer "
+                             f"patches by 2); got {v!r}")
+    mf = lim.max_frames
+    if frames is not None:
+        f = c.whole("frames", frames, 1, mf, f"4k+1 frames (1, 5, 9, …{'' if mf is None else f', {mf}'}) "
+                                             "because the VAE compresses time by 4")
+        if f is not None and (f - 1) % 4:
+            c.fail("frames", "4k+1 frames (1, 5, 9, …, 33, …) because the VAE compresses time by 4; "
+                             f"got {frames!r}")
+    if steps is not None:
+        c.whole("steps", steps, 1, lim.max_steps,
+                f"a whole number of steps from 1{'' if lim.max_steps is None else f' to {lim.max_steps}'}")
+    if guidance is not None:
+        c.real("guidance", guidance,
+               lambda v: 0 <= v and (lim.max_guidance is None or v <= lim.max_guidance),
+               f"a number ≥ 0{_bound(lim.max_guidance)} (≤ 1 turns classifier-free guidance off)")
+    if shift is not None:
+        c.real("shift", shift, lambda v: 0 < v and (lim.max_shift is None or v <= lim.max_shift),
+               f"a number above 0{_bound(lim.max_shift)}")
+    if fps is not None:
+        c.real("fps", fps, lambda v: v > 0, "a frame rate above 0")
     if fp4_scope not in FP4_SCOPES:
-        raise GenerationError(f"--fp4-scope must be one of {', '.join(FP4_SCOPES)}, got {fp4_scope!r}")
+        c.fail("fp4_scope", f"one of {', '.join(FP4_SCOPES)}, got {fp4_scope!r}")
     from .attention import BACKENDS
     if backend not in BACKENDS:
-        raise GenerationError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    for name, v in (("--height", height), ("--width", width)):
-        if v is not None:
-            v = _int(name, v)
-            if v <= 0 or v % 16:
-                raise GenerationError(f"{name} must be a positive multiple of 16 (the VAE downsamples "
-                                      f"by 8 and the transformer patches by 2), got {v}")
-    if frames is not None:
-        f = _int("--frames", frames)
-        if f < 1 or (f - 1) % 4:
-            raise GenerationError(f"--frames must be 4k+1 (1, 5, 9, …, 33, …, 81) because the VAE "
-                                  f"compresses time by 4, got {f}")
-    if steps is not None and _int("--steps", steps) <= 0:
-        raise GenerationError(f"--steps must be a positive integer, got {steps}")
-    if guidance is not None and _number("--guidance", guidance) < 0:
-        raise GenerationError(f"--guidance must be ≥ 0 (≤ 1 turns classifier-free guidance off), got {guidance}")
-    if shift is not None and _number("--shift", shift) <= 0:
-        raise GenerationError(f"--shift must be > 0, got {shift}")
-    if fps is not None and _number("--fps", fps) <= 0:
-        raise GenerationError(f"--fps must be > 0, got {fps}")
-    try:
-        dev = resolve_device(device)
-    except ValueError as exc:
-        raise GenerationError(f"--device: {exc}") from exc
-    out_s = _check_out(out, overwrite)
+        c.fail("backend", f"one of {', '.join(BACKENDS)}, got {backend!r}")
 
-    info = info or model_info(model)  # raises ModelLoadError for a missing/invalid folder
+    dev: torch.device | None = None
+    dt: torch.dtype | None = None
+    why = ""
+    if models is not None:
+        dev, dt, why = models.device, models.dtype, models.dtype_reason
+        if dtype not in ("auto", None) and resolve_dtype(dtype, dev)[0] != dt:
+            c.fail("dtype", f"the loaded models compute in {dtype_name(dt)}; load them with "
+                            f"dtype={dtype!r} (attnqat.wan.load_models)")
+    else:
+        try:
+            dev = resolve_device(device)
+        except ValueError as exc:
+            c.fail("device", str(exc))
+        try:
+            dt, why = resolve_dtype(dtype, dev or "cpu")
+        except ValueError as exc:
+            c.fail("dtype", str(exc))
+    if dev is not None and dt is not None and chosen and "backend" not in c.errors \
+            and "fp4_scope" not in c.errors:
+        problem = _check_backend(backend, chosen, fp4_scope, dev, dt)
+        if problem:
+            c.fail("backend", problem)
+
     qat: str | None = None
-    if "attnqat" in chosen:
-        if loaded_qat is not None:
-            qat = loaded_qat
+    info: ModelInfo | None = models.info if models is not None else None
+    if info is None:
+        try:
+            info = model_info(model)
+        except ModelLoadError as exc:
+            c.fail("model", str(exc))
+    if "attnqat" in chosen and info is not None:
+        if models is not None:
+            if models.qat_info is None:
+                c.fail("methods", "Attn-QAT needs Attn-QAT weights and none are loaded: load them "
+                                  "with --qat-transformer PATH (a diffusers transformer folder or a "
+                                  ".safetensors file)")
+            else:
+                qat = models.qat_info["checkpoint"]
         elif qat_transformer is not None:
             qp = Path(qat_transformer).expanduser()
             if not qp.exists():
-                raise GenerationError(f"--qat-transformer {qat_transformer} does not exist (expected a "
-                                      "diffusers transformer folder or a .safetensors file)")
-            qat = str(qp.resolve())
+                c.fail("qat_transformer", f"{qat_transformer} does not exist (expected a diffusers "
+                                          "transformer folder or a .safetensors file)")
+            else:
+                qat = str(qp.resolve())
         elif info.qat_transformer is not None:
             if not info.qat_transformer.exists():
-                raise GenerationError(f"the model names an Attn-QAT transformer at {info.qat_transformer}, "
-                                      "which does not exist; pass --qat-transformer")
-            qat = str(info.qat_transformer)
+                c.fail("qat_transformer", f"the model names an Attn-QAT transformer at "
+                                          f"{info.qat_transformer}, which does not exist; pass "
+                                          "--qat-transformer")
+            else:
+                qat = str(info.qat_transformer)
         else:
-            raise GenerationError("method 'attnqat' needs Attn-QAT weights: pass --qat-transformer PATH "
-                                  "(a diffusers transformer folder or a .safetensors file in the "
-                                  "diffusers, FastVideo or original Wan naming), or drop attnqat from "
-                                  "--methods")
+            c.fail("methods", "method 'attnqat' needs Attn-QAT weights: pass --qat-transformer PATH "
+                              "(a diffusers transformer folder or a .safetensors file in the "
+                              "diffusers, FastVideo or original Wan naming), or drop attnqat from "
+                              "the methods")
+    out_s = None
+    try:
+        out_s = _check_out(out, overwrite)
+    except GenerationError as exc:
+        c.fail("out", exc.message)
+    if c.errors:
+        order = list(inspect.signature(resolve_settings).parameters)
+        raise InvalidInput(dict(sorted(c.errors.items(),
+                                       key=lambda kv: order.index(kv[0]) if kv[0] in order else 99)))
+
     d = info.defaults
-    h = _int("--height", height if height is not None else d["height"])
-    w = _int("--width", width if width is not None else d["width"])
-    sh = shift if shift is not None else d.get("shift")
+    h = int(hw.get("height") or d["height"])
+    w = int(hw.get("width") or d["width"])
+    sh = _real(shift) if shift is not None else d.get("shift")
     settings = GenerationSettings(
-        prompt=prompt, negative_prompt=negative_prompt or "", methods=chosen, seed=seed,
-        steps=_int("--steps", steps if steps is not None else d["steps"]),
-        guidance=_number("--guidance", guidance if guidance is not None else d["guidance"]),
+        prompt=prompt, negative_prompt=(negative_prompt if negative_prompt is not None
+                                        else d.get("negative_prompt", "")),
+        methods=chosen, seed=seed_i,
+        steps=_whole(steps) if steps is not None else int(d["steps"]),
+        guidance=_real(guidance) if guidance is not None else float(d["guidance"]),
         shift=float(sh) if sh is not None else default_shift(h, w), height=h, width=w,
-        frames=_int("--frames", frames if frames is not None else d["frames"]),
-        fps=_number("--fps", fps if fps is not None else d["fps"]), model=info.source,
-        qat_transformer=qat, device=str(dev), fp4_scope=fp4_scope, backend=backend,
-        offload=bool(offload), out=out_s, overwrite=bool(overwrite),
+        frames=_whole(frames) if frames is not None else int(d["frames"]),
+        fps=_real(fps) if fps is not None else float(d["fps"]), model=info.source,
+        qat_transformer=qat, device=str(dev), dtype=dtype_name(dt), dtype_reason=why,
+        fp4_scope=fp4_scope, backend=backend,
+        offload=bool(models.offload if models is not None else offload), out=out_s,
+        overwrite=bool(overwrite),
         max_sequence_length=int(d.get("max_sequence_length", MAX_SEQUENCE_LENGTH)))
     return settings, info
+
+
+def method_label(method: str, qat_info: dict[str, Any] | None = None) -> str:
+    """The name a method goes by: ``BF16``, ``NVFP4``, ``SageAttention3``; for ``attnqat`` the
+    label of the loaded weights (``Attn-QAT fine-tuned`` or ``Attn-QAT (base weights copy — not
+    fine-tuned)``, :func:`attnqat.wan.load_models`)."""
+    if method == "attnqat" and qat_info and qat_info.get("label"):
+        return str(qat_info["label"])
+    return METHOD_LABELS.get(method, method)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,8 +602,13 @@ def decode(models: WanModels, latents: torch.Tensor) -> np.ndarray:
 
 
 def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bool = True,
-                log: Callable[[str], None] | None = None) -> GenerationResult:
-    """Run every method of ``settings`` on loaded ``models``; nothing is written to disk.
+                log: Callable[[str], None] | None = None,
+                on_step: Callable[[StepEvent], None] | None = None) -> GenerationResult:
+    """Run every method of ``settings`` (from :func:`resolve_settings` with these ``models``) on
+    loaded ``models``; nothing is written to disk and nothing is validated again.
+
+    ``on_step`` is called with a :class:`StepEvent` as the generation goes (after each denoising
+    step, around decoding); raising in it stops the generation.
 
     Returns a :class:`GenerationResult` whose ``record`` is complete except for file names.
     """
@@ -366,9 +616,20 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
 
     if "attnqat" in settings.methods and models.qat_transformer is None:
         raise GenerationError("method 'attnqat' needs Attn-QAT weights, but none were loaded "
-                              "(pass --qat-transformer)")
+                              "(pass --qat-transformer)", "methods")
+    seed = settings.seed if settings.seed >= 0 else secrets.randbelow(RANDOM_SEED_BOUND)
+    settings = replace(settings, seed=seed)
     dev = models.device
     pipe = models.pipe
+    started = time.perf_counter()
+
+    def emit(phase: str, method: str | None, step: int, timings: Timings | None = None) -> None:
+        if on_step is not None:
+            on_step(StepEvent(phase=phase, method=method, step=step, steps=settings.steps,
+                              methods=settings.methods, elapsed_s=time.perf_counter() - started,
+                              timings=timings))
+
+    emit("text", None, 0)
     _sync(dev)
     t0 = time.perf_counter()
     pe, ne = encode_prompts(models, settings.prompt, settings.negative_prompt, settings.guidance,
@@ -378,7 +639,7 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
     lat0 = initial_latents(models, settings)
 
     videos: dict[str, np.ndarray] = {}
-    per_method: dict[str, dict[str, Any]] = {}
+    per_method: dict[str, MethodRecord] = {}
     for slot in settings.methods:
         transformer = models.transformer_for(slot)
         attn_method = SLOT_ATTENTION[slot]
@@ -389,18 +650,25 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
             torch.cuda.reset_peak_memory_stats(dev)
         bar = tqdm(total=settings.steps, desc=f"{slot:>7}", unit="step", disable=not progress,
                    file=sys.stderr, dynamic_ncols=True)
+
+        def stepped(i: int, slot: str = slot) -> None:
+            bar.update(1)
+            emit("denoising", slot, i + 1)
+
         try:
+            emit("denoising", slot, 0)
             with models.on_device(transformer):
                 _sync(dev)
                 t1 = time.perf_counter()
                 latents = denoise(transformer, pipe.scheduler, lat0, pe, ne, steps=settings.steps,
                                   guidance=settings.guidance, shift=settings.shift, device=dev,
-                                  on_step=lambda _i: bar.update(1))
+                                  on_step=stepped)
                 _sync(dev)
                 t_denoise = time.perf_counter() - t1
         finally:
             bar.close()
         stats = proc.stats()
+        emit("decoding", slot, settings.steps)
         t2 = time.perf_counter()
         frames = decode(models, latents)
         _sync(dev)
@@ -408,17 +676,18 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
         peak, peak_kind = _peak_memory(dev)
         videos[slot] = frames
         attn_s = stats["attention_s"]
-        per_method[slot] = {
-            "transformer": "attnqat" if slot == "attnqat" else "base",
-            "attention_method": attn_method,
-            "timings": {"text_encoding_s": t_text, "denoising_s": t_denoise, "decoding_s": t_decode,
-                        "attention_s": attn_s,
-                        "attention_share_of_denoising": (attn_s / t_denoise) if t_denoise > 0 else None},
-            "attention_calls": stats["calls"],
-            "transformer_calls": settings.steps * (2 if settings.guidance > 1.0 else 1),
-            "peak_memory_bytes": peak, "peak_memory_kind": peak_kind,
-            "psnr": None, "ssim": None, "identical_to_bf16": None,
-        }
+        timings = Timings(text_encoding_s=t_text, denoising_s=t_denoise, decoding_s=t_decode,
+                          attention_s=attn_s,
+                          attention_share_of_denoising=(attn_s / t_denoise) if attn_s is not None
+                          and t_denoise > 0 else None,
+                          total_s=t_denoise + t_decode)
+        per_method[slot] = MethodRecord(
+            label=method_label(slot, models.qat_info),
+            transformer="attnqat" if slot == "attnqat" else "base", attention_method=attn_method,
+            timings=timings, attention_calls=stats["calls"],
+            transformer_calls=settings.transformer_calls_per_method, peak_memory_bytes=peak,
+            peak_memory_kind=peak_kind)
+        emit("done", slot, settings.steps, timings)
         if log is not None:
             log(f"{slot}: denoising {t_denoise:.2f} s (attention {attn_s:.2f} s), decoding {t_decode:.2f} s")
 
@@ -428,25 +697,21 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
             if slot == "bf16":
                 continue
             p = vid.psnr(frames, ref)
-            per_method[slot]["psnr"] = None if math.isinf(p) else p
-            per_method[slot]["identical_to_bf16"] = math.isinf(p)
-            per_method[slot]["ssim"] = vid.ssim(frames, ref)
+            per_method[slot].psnr = None if math.isinf(p) else p
+            per_method[slot].identical_to_bf16 = math.isinf(p)
+            per_method[slot].ssim = vid.ssim(frames, ref)
 
-    record = {
-        "prompt": settings.prompt,
-        "negative_prompt": settings.negative_prompt,
-        "seed": settings.seed,
-        "settings": settings.record(),
-        "versions": versions(),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "text_encoding_s": t_text,
-        "model_kind": models.info.kind,
-        "model_weights_note": models.info.weights_note,
-        "qat": models.qat_info if "attnqat" in settings.methods else None,
-        "qat_weights_note": (models.qat_info or {}).get("note") if "attnqat" in settings.methods else None,
-        "methods": per_method,
-        "side_by_side": None,
-    }
+    with_qat = "attnqat" in settings.methods and models.qat_info is not None
+    record = GenerationRecord(
+        prompt=settings.prompt, negative_prompt=settings.negative_prompt, seed=settings.seed,
+        settings=settings.record(),
+        precision=Precision(dtype=settings.dtype, reason=settings.dtype_reason),
+        versions=versions(), created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        text_encoding_s=t_text, model_kind=models.info.kind,
+        model_weights_note=models.info.weights_note,
+        qat=QATRecord.from_dict(models.qat_info) if with_qat else None,
+        qat_weights_note=models.qat_info.get("note") if with_qat else None,
+        methods=per_method)
     return GenerationResult(record=record, videos=videos, initial_latents=lat0)
 
 
@@ -481,19 +746,19 @@ def write_outputs(result: GenerationResult, settings: GenerationSettings, out: s
     """
     out = Path(out).expanduser().resolve()
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise GenerationError(f"--out {out} exists and is not empty (pass --overwrite)")
+        raise GenerationError(f"{out} exists and is not empty (pass --overwrite)", "out")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    record = copy.deepcopy(result.record)
     try:
         _chmod_like_mkdir(tmp)
-        record = json.loads(json.dumps(result.record))
         for slot, frames in result.videos.items():
             vid.write_mp4(frames, tmp / f"{slot}.mp4", settings.fps)
-            record["methods"][slot]["video"] = f"{slot}.mp4"
+            record.methods[slot].video = f"{slot}.mp4"
         vid.side_by_side({slot: tmp / f"{slot}.mp4" for slot in result.videos},
                          tmp / "side_by_side.mp4", fps=settings.fps)
-        record["side_by_side"] = "side_by_side.mp4"
-        (tmp / "record.json").write_text(json.dumps(record, indent=2, allow_nan=False) + "\n")
+        record.side_by_side = "side_by_side.mp4"
+        record.save(tmp / "record.json")
         if not out.exists():
             os.replace(tmp, out)
         else:
@@ -514,21 +779,22 @@ def write_outputs(result: GenerationResult, settings: GenerationSettings, out: s
 
 
 def generate(prompt: str, *, negative_prompt: str | None = None,
-             methods: str | Sequence[str] = GENERATION_METHODS, seed: int = 0,
+             methods: str | Sequence[str] = GENERATION_METHODS, seed: int = -1,
              steps: int | None = None, guidance: float | None = None, shift: float | None = None,
              height: int | None = None, width: int | None = None, frames: int | None = None,
              fps: float | None = None, model: str | Path = DEFAULT_MODEL,
-             qat_transformer: str | Path | None = None, device: str = "auto",
+             qat_transformer: str | Path | None = None, device: str = "auto", dtype: str = "auto",
              out: str | Path | None = None, fp4_scope: str = "self", backend: str = "auto",
              offload: bool = False, overwrite: bool = False, progress: bool = True,
-             models: WanModels | None = None,
-             log: Callable[[str], None] | None = None) -> GenerationResult:
+             models: WanModels | None = None, log: Callable[[str], None] | None = None,
+             on_step: Callable[[StepEvent], None] | None = None) -> GenerationResult:
     """Generate one clip per method from one prompt — the Python form of ``attnqat generate``.
 
     Args:
-        prompt, negative_prompt: the text (negative prompt default: empty).
+        prompt, negative_prompt: the text (negative prompt None: the model's default — none for
+            the tiny model, Wan's own for Wan 2.1).
         methods: some of ``bf16``, ``nvfp4``, ``sage3``, ``attnqat`` (list or comma-separated).
-        seed: seed of the initial noise (shared by every method).
+        seed: seed of the initial noise (shared by every method); −1 draws one (the record holds it).
         steps, guidance, shift, height, width, frames, fps: sampling and clip settings; None takes
             the model's default (:func:`resolve_settings`). diffusers calls them
             ``num_inference_steps``, ``guidance_scale``, ``flow_shift``, ``height``, ``width``,
@@ -537,41 +803,50 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
         qat_transformer: Attn-QAT transformer (folder or .safetensors, any naming scheme); None
             takes the one the model folder names (the tiny model has one).
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
+        dtype: compute dtype of the transformers and the text encoder: ``auto`` (what the device
+            runs natively: BF16 on CUDA and on CPUs with BF16 instructions, FP32 on other CPUs),
+            ``bfloat16`` or ``float32`` (:func:`attnqat.wan.resolve_dtype`). The ``bf16`` method is
+            attention without quantization in whichever dtype runs.
         out: folder to write (None: write nothing, return the frames).
-        fp4_scope: ``self`` (cross-attention stays BF16) or ``all``.
+        fp4_scope: ``self`` (cross-attention stays unquantized) or ``all``.
         backend: attention backend (``auto`` | ``torch`` | ``triton``).
         offload: keep models on the CPU, move each to the device while it runs.
         overwrite: allow a non-empty ``out`` (only the files generate writes are replaced).
         progress: show a progress bar per method.
         models: already loaded :class:`~attnqat.wan.WanModels` to reuse (skips loading).
         log: called with one-line progress messages.
+        on_step: called with a :class:`StepEvent` after each denoising step and around decoding
+            (as diffusers' ``callback_on_step_end``); raising in it stops the generation.
 
     Returns:
         :class:`GenerationResult`.
+
+    Raises:
+        InvalidInput: invalid inputs, each named (before anything is loaded).
     """
     if models is not None and qat_transformer is not None:
         raise GenerationError("qat_transformer cannot be given with already loaded models; load it "
-                              "with attnqat.wan.load_models(..., qat_transformer=...)")
-    settings, info = resolve_settings(
+                              "with attnqat.wan.load_models(..., qat_transformer=...)", "qat_transformer")
+    settings, _info = resolve_settings(
         prompt, negative_prompt=negative_prompt, methods=methods, seed=seed, steps=steps,
         guidance=guidance, shift=shift, height=height, width=width, frames=frames, fps=fps,
-        model=model if models is None else models.info.source, qat_transformer=qat_transformer,
-        device=device if models is None else str(models.device), fp4_scope=fp4_scope,
-        backend=backend, offload=offload if models is None else models.offload, out=out,
-        overwrite=overwrite, info=None if models is None else models.info,
-        loaded_qat=(None if models is None or models.qat_info is None else models.qat_info["path"]))
+        model=model, qat_transformer=qat_transformer, device=device, dtype=dtype,
+        fp4_scope=fp4_scope, backend=backend, offload=offload, out=out, overwrite=overwrite,
+        models=models)
     if models is None:
         t0 = time.perf_counter()
         models = load_models(settings.model, qat_transformer=settings.qat_transformer,
-                             device=settings.device, offload=settings.offload)
+                             device=settings.device, offload=settings.offload, dtype=settings.dtype)
         if log is not None:
-            log(f"loaded {settings.model} in {time.perf_counter() - t0:.1f} s")
-    result = run_methods(models, settings, progress=progress, log=log)
+            log(f"loaded {settings.model} in {time.perf_counter() - t0:.1f} s ({settings.dtype}: "
+                f"{settings.dtype_reason})")
+    result = run_methods(models, settings, progress=progress, log=log, on_step=on_step)
     if settings.out is not None:
         write_outputs(result, settings, settings.out, overwrite=settings.overwrite)
     return result
 
 
 __all__ = ["GENERATION_METHODS", "GenerationError", "GenerationResult", "GenerationSettings",
-           "SLOT_ATTENTION", "decode", "denoise", "encode_prompts", "generate", "initial_latents",
+           "InvalidInput", "Limits", "METHOD_LABELS", "MAX_SEED", "SLOT_ATTENTION", "StepEvent",
+           "decode", "denoise", "encode_prompts", "generate", "initial_latents", "method_label",
            "parse_methods", "resolve_settings", "run_methods", "versions", "write_outputs"]

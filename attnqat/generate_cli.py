@@ -10,7 +10,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from .generate import GENERATION_METHODS
+from .generate import GENERATION_METHODS, MAX_SEED
+from .wan import DTYPE_CHOICES
 
 
 def _default_out() -> str:
@@ -20,12 +21,16 @@ def _default_out() -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``attnqat generate`` (their defaults marked None come from the loaded model)."""
     parser.add_argument("--prompt", required=True, help="text prompt")
-    parser.add_argument("--negative-prompt", default="", help="negative prompt (classifier-free guidance)")
+    parser.add_argument("--negative-prompt", default=None,
+                        help="negative prompt for classifier-free guidance (None: the model's default "
+                             "— none for the tiny model, Wan's own negative prompt for Wan 2.1)")
     parser.add_argument("--methods", default=",".join(GENERATION_METHODS),
                         help="comma-separated methods: bf16 (reference), nvfp4 (4-bit attention on "
                              "the base model), sage3 (SageAttention3's recipe), attnqat (the Attn-QAT "
                              "transformer with NVFP4 attention)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise, shared by all methods")
+    parser.add_argument("--seed", type=int, default=-1,
+                        help="seed of the initial noise, shared by all methods: 0 to {MAX_SEED}, or -1 "
+                             "for a random one (printed and recorded), as in the app")
     parser.add_argument("--steps", type=int, default=None,
                         help="denoising steps (None: the model's default; tiny 20, Wan 50)")
     parser.add_argument("--guidance", type=float, default=None,
@@ -50,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "folder or one .safetensors file (diffusers, FastVideo or original Wan "
                              "names). None: the one the model folder names (the tiny model has one)")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="compute dtype of the transformer and text encoder: auto picks what the "
+                             "device runs natively (bfloat16 on CUDA and on CPUs with BF16 "
+                             "instructions, float32 on other CPUs); the bf16 method is attention "
+                             "without quantization in either")
     parser.add_argument("--out", default=None,
                         help="output folder (None: outputs/generate-<date>-<time>); written only "
                              "when everything succeeded")
@@ -60,11 +70,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "recipe); all: cross-attention 4-bit too")
     parser.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
                         help="attention implementation: Triton kernels on CUDA where they apply "
-                             "(auto), the PyTorch reference (torch), or kernels only (triton)")
+                             "(auto), the PyTorch reference (torch), or 4-bit kernels only (triton: "
+                             "CUDA, bfloat16, no bf16 method, --fp4-scope all)")
     parser.add_argument("--offload", action="store_true",
                         help="keep models on the CPU and move each to the GPU only while it runs "
                              "(for GPUs with little memory)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for PyTorch (None: PyTorch's default, one per core; on a "
+                             "CPU shared with other work, 1 is often much faster)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+
+def option(field: str | None) -> str:
+    """The command-line option of a :func:`attnqat.generate.generate` parameter."""
+    return "--" + field.replace("_", "-") if field else ""
+
+
+def error_lines(exc: Exception) -> list[str]:
+    """One line per problem, each naming its option (``--frames: 4k+1 frames …``)."""
+    from .generate import GenerationError, InvalidInput
+
+    if isinstance(exc, InvalidInput):
+        return [f"{option(k)}: {v}" for k, v in exc.errors.items()]
+    if isinstance(exc, GenerationError) and exc.field:
+        return [f"{option(exc.field)}: {exc.message}"]
+    return [str(exc)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,35 +106,48 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"attnqat generate: error: --threads: at least 1, got {args.threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         result = generate(
             args.prompt, negative_prompt=args.negative_prompt, methods=args.methods, seed=args.seed,
             steps=args.steps, guidance=args.guidance, shift=args.shift, height=args.height,
             width=args.width, frames=args.frames, fps=args.fps, model=args.model or DEFAULT_MODEL,
-            qat_transformer=args.qat_transformer, device=args.device,
+            qat_transformer=args.qat_transformer, device=args.device, dtype=args.dtype,
             out=args.out or _default_out(), fp4_scope=args.fp4_scope, backend=args.backend,
             offload=args.offload, overwrite=args.overwrite, progress=not args.no_progress, log=log)
     except (GenerationError, ModelLoadError, CheckpointError) as exc:
-        print(f"attnqat generate: error: {exc}", file=sys.stderr)
+        for line in error_lines(exc):
+            print(f"attnqat generate: error: {line}", file=sys.stderr)
         return 2
     rec = result.record
-    s = rec["settings"]
-    print(f"{s['width']}x{s['height']}, {s['frames']} frames at {s['fps']:g} fps, {s['steps']} steps, "
-          f"guidance {s['guidance']:g}, shift {s['shift']:g}, seed {rec['seed']}, device {s['device']}")
-    if rec.get("model_weights_note"):
-        print(f"model: {rec['model_weights_note']}")
-    print(f"text encoding: {rec['text_encoding_s']:.2f} s (once, shared by all methods)")
-    print(f"{'method':>8} {'denoise s':>10} {'attention s':>12} {'decode s':>9} {'PSNR dB':>8} {'SSIM':>7}")
-    for m, d in rec["methods"].items():
-        t = d["timings"]
-        if d["psnr"] is not None:
-            ps = f"{d['psnr']:.2f}"
+    s = rec.settings
+    print(f"{s['width']}x{s['height']} (width x height), {s['frames']} frames at {s['fps']:g} fps, "
+          f"{s['steps']} steps, guidance {s['guidance']:g}, shift {s['shift']:g}, seed {rec.seed}, "
+          f"device {s['device']}, {rec.precision.dtype} ({rec.precision.reason})")
+    if rec.model_weights_note:
+        print(f"model: {rec.model_weights_note}")
+    print(f"text encoding: {rec.text_encoding_s:.2f} s (once, shared by all methods)")
+    print(f"{'method':>8} {'denoise s':>10} {'attention s':>12} {'decode s':>9} {'total s':>8} "
+          f"{'PSNR dB':>8} {'SSIM':>7}")
+    for m, d in rec.methods.items():
+        t = d.timings
+        if d.psnr is not None:
+            ps = f"{d.psnr:.2f}"
         else:
-            ps = "=bf16" if d.get("identical_to_bf16") else "-"
-        ss = f"{d['ssim']:.4f}" if d["ssim"] is not None else "-"
-        att = f"{t['attention_s']:.2f}" if t["attention_s"] is not None else "-"
-        print(f"{m:>8} {t['denoising_s']:>10.2f} {att:>12} {t['decoding_s']:>9.2f} {ps:>8} {ss:>7}")
-    if rec.get("qat_weights_note"):
-        print(f"note: {rec['qat_weights_note']}")
+            ps = "=bf16" if d.identical_to_bf16 else "-"
+        ss = f"{d.ssim:.4f}" if d.ssim is not None else "-"
+        att = f"{t.attention_s:.2f}" if t.attention_s is not None else "-"
+        print(f"{m:>8} {t.denoising_s:>10.2f} {att:>12} {t.decoding_s:>9.2f} {t.total_s:>8.2f} "
+              f"{ps:>8} {ss:>7}")
+    if rec.qat is not None:
+        print(f"attnqat: {rec.qat.label}")
+    if rec.qat_weights_note:
+        print(f"note: {rec.qat_weights_note}")
     print(f"wrote {result.out}")
     return 0

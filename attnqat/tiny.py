@@ -36,12 +36,15 @@ import shutil
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+# The package attnqat.assets wherever it is installed: the repository's assets/ in an editable
+# install, site-packages/attnqat/assets in a regular one.
+ASSETS_DIR = Path(str(resources.files("attnqat.assets"))).resolve()
 TINY_MODEL_DIR = ASSETS_DIR / "tiny-wan"
 TINY_QAT_DIR = ASSETS_DIR / "tiny-wan-qat"
 SIDECAR = "attnqat.json"

@@ -14,19 +14,22 @@ Two jobs:
    time spent inside them (CUDA events on the GPU, ``perf_counter`` on the CPU).
 
 2. **Loading.** :func:`load_models` loads a Wan 2.1 text-to-video pipeline in diffusers format from a
-   local folder (offline) or a hub id, with the transformer and text encoder in BF16 and the VAE in
-   FP32, and optionally a second, Attn-QAT transformer that shares the text encoder, VAE and
-   scheduler (:func:`attnqat.convert.load_wan_transformer`: any of the three naming schemes, checked).
-   :func:`model_info` reads a model's generation defaults without loading any weights, so inputs can be
-   validated first.
+   local folder (offline) or a hub id, with the transformer and text encoder in the compute dtype the
+   device runs natively (:func:`resolve_dtype`: BF16 on CUDA and on CPUs with BF16 instructions, FP32
+   on other CPUs) and the VAE in FP32, and optionally a second, Attn-QAT transformer that shares the
+   text encoder, VAE and scheduler (:func:`attnqat.convert.load_wan_transformer`: any of the three
+   naming schemes, checked). :func:`model_info` reads a model's generation defaults without loading
+   any weights, so inputs can be validated first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,9 +44,19 @@ FP4_SCOPES = ("self", "all")
 _MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept before they are summed (one sync per 4096 calls)
 DEFAULT_MODEL = str(TINY_MODEL_DIR)
 
+#: The negative prompt Wan 2.1's own text-to-video demo uses by default (its shared config's
+#: ``sample_neg_prompt``; in English: garish colours, overexposed, static, blurred details,
+#: subtitles, style, artwork, painting, still frame, overall grey, worst quality, low quality, JPEG
+#: artefacts, ugly, mutilated, extra fingers, badly drawn hands or faces, deformed, disfigured,
+#: malformed limbs, fused fingers, motionless picture, cluttered background, three legs, crowded
+#: background, walking backwards).
+WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，"
+                       "低质量，JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，"
+                       "毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
+
 #: Generation defaults of the real Wan 2.1 text-to-video models (480p; shift 5 at 720p and above).
 WAN_DEFAULTS: dict[str, Any] = {"height": 480, "width": 832, "frames": 81, "fps": 16, "steps": 50,
-                                "guidance": 5.0, "shift": None}
+                                "guidance": 5.0, "shift": None, "negative_prompt": WAN_NEGATIVE_PROMPT}
 
 
 class ModelLoadError(RuntimeError):
@@ -295,6 +308,77 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------------
+# Compute dtype
+# ----------------------------------------------------------------------------------------------
+
+#: ``dtype`` values :func:`resolve_dtype` takes (``auto``: what the device runs natively).
+DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+                "fp32": torch.float32}
+#: oneDNN ISA caps (``ONEDNN_MAX_CPU_ISA``) that still include the BF16 instructions.
+_ONEDNN_BF16_ISAS = ("ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX",
+                     "AVX512_CORE_AMX_FP16", "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16",
+                     "AVX10_2_512", "AVX10_2_512_AMX_2")
+
+
+def cpu_bf16_support() -> tuple[bool, str]:
+    """Whether this CPU runs BF16 matrix products natively, and a sentence saying why.
+
+    Native means AVX512-BF16 or AMX instructions that PyTorch's CPU kernels (and oneDNN) are allowed
+    to use: ``ATEN_CPU_CAPABILITY`` below AVX512 or an ``ONEDNN_MAX_CPU_ISA`` cap without BF16 turn
+    them off. Without them a BF16 matmul is emulated and several times slower than FP32 (measured on
+    an AVX2 CPU: a 1152×256×1024 linear layer 38–60 ms in BF16, 5–7 ms in FP32).
+    """
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    has_bf16 = any(bool(getattr(torch.cpu, name, lambda: False)())
+                   for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    if not has_bf16:
+        return False, f"this CPU has no BF16 instructions (PyTorch CPU capability {capability})"
+    if not capability.upper().startswith("AVX512"):
+        return False, (f"PyTorch runs this CPU at capability {capability}, without its BF16 "
+                       "instructions")
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if cap and cap not in _ONEDNN_BF16_ISAS:
+        return False, f"oneDNN is capped at {cap} (ONEDNN_MAX_CPU_ISA), below its BF16 instructions"
+    return True, f"this CPU has BF16 instructions (AVX512-BF16/AMX, PyTorch capability {capability})"
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto",
+                  device: str | torch.device = "cpu") -> tuple[torch.dtype, str]:
+    """The compute dtype of the transformer and text encoder, and why it was chosen.
+
+    ``auto`` picks what ``device`` runs natively: BF16 on CUDA GPUs that support it (FP32 on older
+    ones) and on CPUs with BF16 instructions (:func:`cpu_bf16_support`), FP32 on other CPUs. An
+    explicit ``bfloat16``/``float32`` (or the torch dtype) is taken as asked. The VAE always runs
+    in FP32. Whatever the dtype, the ``bf16`` attention method means attention without quantization.
+
+    Raises:
+        ValueError: an unknown ``dtype``.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"dtype must be bfloat16 or float32, got {dtype}")
+        return dtype, "asked for"
+    name = str(dtype).lower()
+    if name in _DTYPE_NAMES:
+        return _DTYPE_NAMES[name], "asked for"
+    if name != "auto":
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_CHOICES)}")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "CUDA GPU with BF16 support"
+        return torch.float32, "this CUDA GPU has no BF16 support"
+    native, why = cpu_bf16_support()
+    return (torch.bfloat16 if native else torch.float32), why
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------------------------
 # Model information (no weights loaded)
 # ----------------------------------------------------------------------------------------------
 
@@ -359,10 +443,13 @@ def model_info(model: str | Path = DEFAULT_MODEL) -> ModelInfo:
             sidecar = json.loads((path / SIDECAR).read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ModelLoadError(f"cannot read {path / SIDECAR}: {exc}") from exc
+    kind = sidecar.get("kind", "wan")
     defaults = dict(WAN_DEFAULTS)
+    if kind != "wan":  # Wan's negative prompt is written for Wan's text encoder, not for others
+        defaults["negative_prompt"] = ""
     defaults.update(sidecar.get("defaults", {}))
     qat = sidecar.get("qat_transformer")
-    return ModelInfo(source=source, path=path.resolve(), kind=sidecar.get("kind", "wan"),
+    return ModelInfo(source=source, path=path.resolve(), kind=kind,
                      defaults=defaults,
                      qat_transformer=(path / qat).resolve() if qat else None,
                      weights_note=sidecar.get("weights_note"), sidecar=sidecar)
@@ -424,8 +511,10 @@ class WanModels:
     """A loaded Wan pipeline plus, optionally, its Attn-QAT transformer.
 
     ``pipe`` is a diffusers :class:`~diffusers.WanPipeline`; ``qat_transformer`` shares its text
-    encoder, VAE and scheduler. With ``offload`` the components stay on the CPU and
-    :meth:`on_device` moves each to ``device`` only while it is used.
+    encoder, VAE and scheduler. ``dtype`` is the compute dtype of the transformers and the text
+    encoder (the VAE runs in FP32) and ``dtype_reason`` why it was chosen (:func:`resolve_dtype`).
+    With ``offload`` the components stay on the CPU and :meth:`on_device` moves each to ``device``
+    only while it is used.
     """
 
     pipe: Any
@@ -434,6 +523,8 @@ class WanModels:
     qat_transformer: Any = None
     qat_info: dict[str, Any] | None = None
     offload: bool = False
+    dtype: torch.dtype = torch.bfloat16
+    dtype_reason: str = ""
 
     @contextlib.contextmanager
     def on_device(self, module: torch.nn.Module) -> Iterator[torch.nn.Module]:
@@ -458,15 +549,43 @@ class WanModels:
         return self.pipe.transformer
 
 
+def _onednn_conv3d(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``Conv3d._conv_forward`` through oneDNN for FP32 inference on the CPU.
+
+    PyTorch's convolution dispatch sends small 5-D FP32 inputs (batch × channels × time × height
+    below 20,480) to its single-threaded ``slow_conv3d`` path, and Wan's VAE decodes one latent frame
+    at a time, so every convolution of the decoder lands there. oneDNN computes the same convolution
+    3–6× faster on these shapes (the same numbers up to summation order); anything else
+    (CUDA, other dtypes, autograd) takes the module's own path.
+    """
+    if (input.device.type == "cpu" and input.dtype == torch.float32 and weight.dtype == torch.float32
+            and not torch.is_grad_enabled()):
+        return torch.mkldnn_convolution(input.contiguous(), weight, bias, self.padding, self.stride,
+                                        self.dilation, self.groups)
+    return torch.nn.Conv3d._conv_forward(self, input, weight, bias)
+
+
+def _fast_cpu_vae(vae: torch.nn.Module) -> int:
+    """Route the FP32 CPU convolutions of a Wan VAE through oneDNN (:func:`_onednn_conv3d`).
+
+    Returns the number of convolutions rerouted (0 where oneDNN is not available)."""
+    if not (hasattr(torch, "mkldnn_convolution") and torch.backends.mkldnn.is_available()):
+        return 0
+    n = 0
+    for m in vae.modules():
+        if isinstance(m, torch.nn.Conv3d) and m.padding_mode == "zeros" and isinstance(m.padding, tuple):
+            m._conv_forward = types.MethodType(_onednn_conv3d, m)
+            n += 1
+    return n
+
+
 def load_pipeline(model: str | Path = DEFAULT_MODEL, *, device: str | torch.device = "auto",
-                  offload: bool = False, transformer_dtype: torch.dtype = torch.bfloat16,
-                  text_encoder_dtype: torch.dtype = torch.bfloat16,
-                  vae_dtype: torch.dtype = torch.float32):
+                  offload: bool = False, dtype: str | torch.dtype = "auto"):
     """Load a Wan 2.1 text-to-video :class:`~diffusers.WanPipeline` (local folder or hub id).
 
-    The transformer and text encoder are loaded in ``transformer_dtype``/``text_encoder_dtype``
-    (BF16; diffusers keeps the transformer's norms, time embedder and modulation tables in FP32),
-    the VAE in ``vae_dtype`` (FP32). A local folder is read with ``local_files_only``. Without
+    The transformer and text encoder are loaded in ``dtype`` (:func:`resolve_dtype`; ``auto``: what
+    the device runs natively; diffusers keeps the transformer's norms, time embedder and modulation
+    tables in FP32), the VAE in FP32. A local folder is read with ``local_files_only``. Without
     ``offload`` the whole pipeline is moved to ``device``.
 
     Raises:
@@ -474,11 +593,11 @@ def load_pipeline(model: str | Path = DEFAULT_MODEL, *, device: str | torch.devi
     """
     info = model_info(model)
     dev = resolve_device(device)
-    return _load_pipeline(info, dev, offload, transformer_dtype, text_encoder_dtype, vae_dtype)
+    dt, _ = resolve_dtype(dtype, dev)
+    return _load_pipeline(info, dev, offload, dt)
 
 
-def _load_pipeline(info: ModelInfo, dev: torch.device, offload: bool, transformer_dtype,
-                   text_encoder_dtype, vae_dtype):
+def _load_pipeline(info: ModelInfo, dev: torch.device, offload: bool, dtype: torch.dtype):
     from diffusers import AutoencoderKLWan, WanPipeline
     from transformers import UMT5EncoderModel
 
@@ -486,13 +605,12 @@ def _load_pipeline(info: ModelInfo, dev: torch.device, offload: bool, transforme
     local = {"local_files_only": True} if info.path is not None else {}
     try:
         with _quiet_loading():
-            vae = AutoencoderKLWan.from_pretrained(where, subfolder="vae", **_dtype_kwarg(vae_dtype),
-                                                   **local)
+            vae = AutoencoderKLWan.from_pretrained(where, subfolder="vae",
+                                                   **_dtype_kwarg(torch.float32), **local)
             text_encoder = UMT5EncoderModel.from_pretrained(where, subfolder="text_encoder",
-                                                            **_hf_dtype_kwarg(text_encoder_dtype),
-                                                            **local)
+                                                            **_hf_dtype_kwarg(dtype), **local)
             pipe = WanPipeline.from_pretrained(where, vae=vae, text_encoder=text_encoder,
-                                               **_dtype_kwarg(transformer_dtype), **local)
+                                               **_dtype_kwarg(dtype), **local)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one clear message
         hint = "" if info.path is not None else (
             " (not a local folder; fetching it from the hub failed — pass a local folder to work "
@@ -504,6 +622,7 @@ def _load_pipeline(info: ModelInfo, dev: torch.device, offload: bool, transforme
     for m in (pipe.transformer, pipe.text_encoder, pipe.vae):
         m.eval()
         m.requires_grad_(False)
+    _fast_cpu_vae(pipe.vae)
     pipe.set_progress_bar_config(disable=True)
     if not offload:
         pipe.to(dev)
@@ -517,9 +636,32 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k].to(sa[k].device)) for k in sa)
 
 
+def _sidecar_of(checkpoint: Path) -> dict[str, Any]:
+    """The ``attnqat.json`` beside a checkpoint folder ({} for a file or a folder without one;
+    :func:`attnqat.convert.load_wan_transformer` has already reported an unreadable one)."""
+    try:
+        return json.loads((checkpoint / SIDECAR).read_text()) if checkpoint.is_dir() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+#: The Attn-QAT method's name on the page and in summaries, by what its weights are.
+QAT_LABEL_FINE_TUNED = "Attn-QAT fine-tuned"
+QAT_LABEL_BASE_COPY = "Attn-QAT (base weights copy — not fine-tuned)"
+#: ``weights`` of a transformer folder's ``attnqat.json`` as ``attnqat finetune export`` writes
+#: it, by the student attention it was fine-tuned with
+FINETUNED_WEIGHTS = {"attnqat": "attnqat-finetuned", "dropin": "dropin-finetuned",
+                     "bf16": "bf16-attention-finetuned"}
+#: labels of fine-tuned weights that are not Attn-QAT (loaded in the Attn-QAT slot, they say so)
+QAT_LABEL_NOT_ATTNQAT = {
+    "dropin-finetuned": "not Attn-QAT: fine-tuned with drop-in FP4 attention (the ablation)",
+    "bf16-attention-finetuned": "not Attn-QAT: fine-tuned with BF16 attention (the control)",
+}
+
+
 def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Path | None = None,
                 device: str | torch.device = "auto", offload: bool = False,
-                transformer_dtype: torch.dtype = torch.bfloat16) -> WanModels:
+                dtype: str | torch.dtype = "auto") -> WanModels:
     """Load the base pipeline and, if given, an Attn-QAT transformer beside it.
 
     Args:
@@ -529,16 +671,21 @@ def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Pat
             folder names in its ``attnqat.json`` (the embedded tiny model has one).
         device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
         offload: keep components on the CPU and move each to the device only while it runs.
-        transformer_dtype: dtype of both transformers (BF16).
+        dtype: compute dtype of both transformers and the text encoder: ``auto`` (what the device
+            runs natively, :func:`resolve_dtype`), ``bfloat16`` or ``float32``.
 
     Returns:
-        :class:`WanModels`. ``qat_info`` holds the path, the naming scheme found, the folder's note on
-        the weights and whether they are identical to the base transformer's.
+        :class:`WanModels`. ``qat_info`` holds the checkpoint's location (``checkpoint``), the naming
+        scheme found, the folder's note on the weights, whether they are identical to the base
+        transformer's (``identical_to_base``), whether they are fine-tuned (``fine_tuned``: False
+        when identical to the base or when the folder says they are a copy of the base) and the
+        name the method goes by (``label``).
     """
     from .convert import load_wan_transformer
 
     info = model_info(model)
     dev = resolve_device(device)
+    dt, why = resolve_dtype(dtype, dev)
     qat_path: Path | None = None
     if qat_transformer == "auto":
         qat_path = info.qat_transformer
@@ -546,11 +693,10 @@ def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Pat
         qat_path = Path(qat_transformer).expanduser()
         if not qat_path.exists():
             raise ModelLoadError(f"Attn-QAT transformer not found: {qat_transformer}")
-    pipe = _load_pipeline(info, dev, offload, transformer_dtype, torch.bfloat16, torch.float32)
-    models = WanModels(pipe=pipe, device=dev, info=info, offload=offload)
+    pipe = _load_pipeline(info, dev, offload, dt)
+    models = WanModels(pipe=pipe, device=dev, info=info, offload=offload, dtype=dt, dtype_reason=why)
     if qat_path is not None:
-        qat, ckpt = load_wan_transformer(qat_path, config=dict(pipe.transformer.config),
-                                         dtype=transformer_dtype)
+        qat, ckpt = load_wan_transformer(qat_path, config=dict(pipe.transformer.config), dtype=dt)
         qat.eval()
         qat.requires_grad_(False)
         base_device = next(pipe.transformer.parameters()).device
@@ -561,10 +707,16 @@ def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Pat
             note = ("the Attn-QAT transformer's weights are identical to the base transformer's: "
                     "no QAT fine-tuning has been applied, so the attnqat clip is plain NVFP4 "
                     "attention on the base model (the same clip as nvfp4)")
+        kind = _sidecar_of(qat_path).get("weights")
+        # weights without a record (e.g. a published checkpoint) count as Attn-QAT fine-tuned
+        # when they differ from the base; a record that says otherwise is believed
+        fine_tuned = not identical and kind != "copy-of-base" and kind not in QAT_LABEL_NOT_ATTNQAT
+        label = (QAT_LABEL_NOT_ATTNQAT[kind] if not identical and kind in QAT_LABEL_NOT_ATTNQAT
+                 else QAT_LABEL_FINE_TUNED if fine_tuned else QAT_LABEL_BASE_COPY)
         models.qat_transformer = qat
-        models.qat_info = {"path": str(qat_path.resolve()), "scheme": ckpt.scheme,
+        models.qat_info = {"checkpoint": str(qat_path.resolve()), "scheme": ckpt.scheme,
                            "prefix_stripped": ckpt.prefix, "note": note, "folder_note": ckpt.note,
-                           "identical_to_base": identical}
+                           "identical_to_base": identical, "fine_tuned": fine_tuned, "label": label}
     return models
 
 
@@ -576,8 +728,9 @@ def latent_shape(pipe, height: int, width: int, frames: int, batch: int = 1) -> 
 
 
 __all__ = [
-    "AttnQATProcessor", "DEFAULT_MODEL", "FP4_SCOPES", "ModelInfo", "ModelLoadError", "WAN_DEFAULTS",
-    "WanModels", "default_shift", "get_processor", "install_attention", "latent_shape",
-    "load_models", "load_pipeline", "model_info", "resolve_device", "set_method",
-    "uninstall_attention",
+    "AttnQATProcessor", "DEFAULT_MODEL", "DTYPE_CHOICES", "FP4_SCOPES", "ModelInfo", "ModelLoadError",
+    "FINETUNED_WEIGHTS", "QAT_LABEL_BASE_COPY", "QAT_LABEL_FINE_TUNED", "QAT_LABEL_NOT_ATTNQAT", "WAN_DEFAULTS", "WAN_NEGATIVE_PROMPT", "WanModels",
+    "cpu_bf16_support", "default_shift", "dtype_name", "get_processor", "install_attention",
+    "latent_shape", "load_models", "load_pipeline", "model_info", "resolve_device", "resolve_dtype",
+    "set_method", "uninstall_attention",
 ]

@@ -15,12 +15,13 @@ reproducibly from a seed.
 from __future__ import annotations
 
 import csv
-import json
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+
+from attnqat.record import GenerationRecord, RecordError
 
 
 class InputError(ValueError):
@@ -52,23 +53,15 @@ def _seed(value: object, where: str) -> int | None:
 
 
 def read_record(record_path: Path) -> list[ClipSource]:
-    """The clips listed by one ``record.json`` of ``attnqat generate``."""
+    """The clips listed by one ``record.json`` of ``attnqat generate`` (read as the typed
+    :class:`attnqat.record.GenerationRecord` that generate writes)."""
     try:
-        record = json.loads(record_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise InputError(f"cannot read {record_path}: {exc}") from exc
-    prompt = record.get("prompt")
-    methods = record.get("methods")
-    if not isinstance(prompt, str) or not prompt.strip() or not isinstance(methods, dict):
-        raise InputError(f"{record_path}: not a generation record (needs 'prompt' and 'methods')")
-    seed = _seed(record.get("seed"), str(record_path))
-    clips = []
-    for method, info in methods.items():
-        video = info.get("video") if isinstance(info, dict) else None
-        if not video:
-            raise InputError(f"{record_path}: method {method!r} has no 'video'")
-        clips.append(ClipSource(prompt.strip(), seed, str(method), (record_path.parent / video)))
-    return clips
+        record = GenerationRecord.load(record_path)
+        videos = record.videos(record_path.parent)
+    except RecordError as exc:
+        raise InputError(str(exc)) from exc
+    return [ClipSource(record.prompt.strip(), record.seed, method, path)
+            for method, path in videos.items()]
 
 
 def read_manifest(csv_path: Path) -> list[ClipSource]:

@@ -28,9 +28,6 @@ import torch
 
 from . import checkpoint as ckpt
 
-#: the ``weights`` value of the record, by student attention
-WEIGHTS_KIND = {"attnqat": "attnqat-finetuned", "dropin": "dropin-finetuned",
-                "bf16": "bf16-attention-finetuned"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +77,7 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
     from diffusers import WanTransformer3DModel
 
     from attnqat.convert import param_dtype
+    from attnqat.wan import FINETUNED_WEIGHTS
 
     folder = ckpt.resolve(run, run)
     state = ckpt.read_state(folder)
@@ -107,7 +105,7 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
                          "batch": cfg["batch_size"] * cfg["grad_accum"] * state.get("world", 1),
                          "final_loss": state.get("loss"), "date": state.get("date"),
                          "weights": weights, "checkpoint": str(folder)}
-        record = {"kind": "attnqat-transformer", "weights": WEIGHTS_KIND[cfg["attention"]],
+        record = {"kind": "attnqat-transformer", "weights": FINETUNED_WEIGHTS[cfg["attention"]],
                   "qat_weights_note": note(training), "training": training,
                   "exported": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         (tmp / "attnqat.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -134,4 +132,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["WEIGHTS_KIND", "add_arguments", "display_model", "export", "note", "run"]
+__all__ = ["add_arguments", "display_model", "export", "note", "run"]

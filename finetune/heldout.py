@@ -45,8 +45,8 @@ def inputs(models, first: int, n: int, *, steps: int | None = None, guidance: fl
     specs = heldout_specs(first + n)[first:]
     prompts = [s.caption for s in specs]
     settings = [resolve_settings(p, methods="bf16", seed=first + i, steps=steps, guidance=guidance,
-                                 height=size, width=size, frames=frames, device=str(models.device),
-                                 model=models.info.source, backend=backend, info=models.info)[0]
+                                 height=size, width=size, frames=frames, backend=backend,
+                                 models=models)[0]
                 for i, p in enumerate(prompts)]
     pairs = [encode_prompts(models, s.prompt, s.negative_prompt, s.guidance, s.max_sequence_length)
              for s in settings]

@@ -15,6 +15,7 @@ import torch
 from attnqat.app import player, service as svc
 from attnqat.app.cli import parse_auth
 from attnqat.cli import main as cli_main
+from attnqat.generate import InvalidInput, StepEvent
 from attnqat.video import probe_mp4
 from attnqat.wan import load_models
 
@@ -43,12 +44,12 @@ def service(models, tmp_path):
 # Inputs
 # ----------------------------------------------------------------------------------------------
 
-def test_parse_resolution_accepts_height_by_width_forms():
-    assert svc.parse_resolution("480x832") == (480, 832)
-    assert svc.parse_resolution(" 128 × 224 ") == (128, 224)
+def test_parse_resolution_accepts_width_by_height_forms():
+    assert svc.parse_resolution("832x480") == (832, 480)  # width × height, as Wan writes it
+    assert svc.parse_resolution(" 224 × 128 ") == (224, 128)
     assert svc.parse_resolution("64*32 (quick)") == (64, 32)
     for bad in ("", "480", "axb", "480x", None, 480):
-        with pytest.raises(ValueError, match="height×width"):
+        with pytest.raises(ValueError, match="width×height"):
             svc.parse_resolution(bad)
 
 
@@ -58,10 +59,11 @@ def test_defaults_are_the_models_and_every_preset_is_valid(service):
     assert (req.height, req.width, req.frames, req.steps) == (d["height"], d["width"], d["frames"],
                                                               d["steps"])
     assert req.seed == -1 and req.fp4_scope == "self" and req.methods == ("bf16",)
+    assert req.dtype == str(service.models.dtype).removeprefix("torch.")
     presets = service.resolution_presets()
-    assert presets[0][1] == f"{d['height']}x{d['width']}"  # the model's default comes first
+    assert presets[0][1] == f"{d['width']}x{d['height']}"  # the model's default comes first
     for _label, value in presets:
-        assert service.check("x", ["bf16"], resolution=value).height == int(value.split("x")[0])
+        assert service.check("x", ["bf16"], resolution=value).width == int(value.split("x")[0])
 
 
 @pytest.mark.parametrize("field,value,fragment", [
@@ -74,11 +76,14 @@ def test_defaults_are_the_models_and_every_preset_is_valid(service):
     ("steps", 0, "from 1 to"),
     ("steps", 2.5, "whole number"),
     ("steps", 10_000, "from 1 to"),
-    ("guidance", -1, "from 0 to"),
+    ("guidance", -1, "≥ 0"),
+    ("steps", "", None),  # empty: the model's default
+    ("seed", 2 ** 64, "2^63−1"),
+    ("seed", "12abc", "integer"),
     ("shift", 0, "above 0"),
     ("resolution", "100x100", "multiple of 16"),
     ("resolution", "32x4096", "multiple of 16 from 16 to"),
-    ("resolution", "big", "height×width"),
+    ("resolution", "big", "width×height"),
     ("frames", 6, "4k+1"),
     ("frames", 0, "4k+1"),
     ("frames", 85, "4k+1"),
@@ -88,11 +93,24 @@ def test_defaults_are_the_models_and_every_preset_is_valid(service):
 def test_each_invalid_input_is_reported_on_its_field(service, field, value, fragment):
     values = dict(prompt="a red circle", methods=["bf16", "nvfp4"], **SMALL)
     values[field] = value
-    with pytest.raises(svc.InputError) as info:
+    if fragment is None:
+        assert service.check(**values).steps == service.defaults["steps"]
+        return
+    with pytest.raises(InvalidInput) as info:
         service.check(**values)
     assert list(info.value.errors) == [field]
     assert fragment in info.value.errors[field]
-    assert svc.FIELD_NAMES[field] in str(info.value)
+    assert svc.FIELD_NAMES[field] in svc.describe_errors(info.value.errors)
+
+
+def test_inputs_are_accepted_exactly_as_typed(service):
+    big = 2 ** 63 - 1
+    assert service.check("x", ["bf16"], seed=str(big)).seed == big  # the page's text field
+    assert service.check("x", ["bf16"], seed=big).seed == big        # the API's number
+    assert service.check("x", ["bf16"], seed=f" {2 ** 53 + 1} ").seed == 2 ** 53 + 1  # not rounded
+    assert service.check("x", ["bf16"], seed="").seed == -1
+    s = service.check("x", ["bf16"], steps=3.0, frames="9", guidance="4.5")
+    assert (s.steps, s.frames, s.guidance) == (3, 9, 4.5)
 
 
 def test_several_invalid_inputs_are_reported_together(service):
@@ -107,7 +125,7 @@ def test_attnqat_without_qat_weights_is_unavailable_with_the_reason(models, tmp_
     why = s.availability()["attnqat"]
     assert why is not None and "--qat-transformer" in why
     assert s.available_methods() == ["bf16", "nvfp4", "sage3"]
-    with pytest.raises(svc.InputError) as info:
+    with pytest.raises(InvalidInput) as info:
         s.check("x", ["bf16", "attnqat"], **SMALL)
     assert "Attn-QAT cannot run" in info.value.errors["methods"]
     assert "--qat-transformer" in info.value.errors["methods"]
@@ -128,6 +146,9 @@ def test_page_shows_an_unavailable_method_with_its_reason(models, tmp_path):
     assert "unavailable" in labels["attnqat"] and "unavailable" not in labels["bf16"]
     assert "Attn-QAT cannot run here" in group.info and "--qat-transformer" in group.info
     assert group.value == ["bf16", "nvfp4", "sage3"]
+    # the page states which precision runs and what the BF16 method means in it
+    header = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "aq-header")
+    assert f"Precision: {str(models.dtype).removeprefix('torch.')}" in header.value
     (endpoint,) = [d for d in demo.fns.values() if d.api_name == "generate"]
     assert endpoint.concurrency_limit == 1 and demo._queue.max_size == 8
     ui_events = [d for d in demo.fns.values() if d.fn is not None and d.fn.__name__ == "generate_ui"]
@@ -146,15 +167,15 @@ def test_run_writes_a_request_folder_and_randomly_named_media(service):
     out = service.run(req, progress=progress)
     assert out.folder.parent == service.runs_root
     assert list(out.clips) == ["bf16", "nvfp4"]  # shown in the project's method order
-    assert out.record["seed"] == 3 and out.record["settings"]["steps"] == 2
-    assert json.loads(out.record_path.read_text()) == out.record
+    assert out.record.seed == 3 and out.record.settings["steps"] == 2
+    assert json.loads(out.record_path.read_text()) == out.record.to_dict()
     for m, clip in out.clips.items():
         media = out.media[m]
         assert media.parent.parent == service.media_root
         assert not any(lab.lower() in str(media.relative_to(service.root)).lower() for lab in LABELS)
         assert media.read_bytes() == clip.read_bytes()
         info = probe_mp4(media)
-        assert (info["frames"], info["height"], info["width"]) == (5, 32, 48)
+        assert (info["frames"], info["width"], info["height"]) == (5, 32, 48)
     # Progress went through every step of both methods and ended done.
     final = progress.snapshot()
     assert final["phase"] == "done" and final["fraction"] == 1.0
@@ -165,7 +186,7 @@ def test_run_writes_a_request_folder_and_randomly_named_media(service):
 
 def test_random_seed_is_drawn_and_recorded(service):
     out = service.run(service.check("x", ["bf16"], **{**SMALL, "seed": -1}))
-    assert isinstance(out.record["seed"], int) and out.record["seed"] >= 0
+    assert isinstance(out.record.seed, int) and out.record.seed >= 0
 
 
 def test_only_the_most_recent_results_are_kept(service):
@@ -217,23 +238,39 @@ def test_fault_spec_parsing():
     assert isinstance(svc.Fault("oom").exception("bf16"), torch.OutOfMemoryError)
 
 
-def test_progress_counts_steps_then_decoding_per_method():
-    p = svc.Progress(["bf16", "nvfp4"], steps=2, calls_per_step=2)
+def test_progress_follows_the_step_events_with_an_estimate_of_the_time_left():
+    from attnqat.record import Timings
+
+    p = svc.Progress(["bf16", "nvfp4"], steps=2, labels={"bf16": "BF16", "nvfp4": "NVFP4"})
     assert p.describe().startswith("waiting")
-    assert p.on_transformer_call() == "bf16"
+
+    def ev(phase, method, step, timings=None):
+        p.on_step(StepEvent(phase, method, step, 2, ("bf16", "nvfp4"), 0.0, timings))
+
+    ev("text", None, 0)
+    assert p.describe() == "encoding the prompt" and p.snapshot()["eta_s"] is None
+    ev("denoising", "bf16", 0)
     assert p.describe() == "BF16 · step 1/2"
-    for _ in range(3):
-        p.on_transformer_call()
-    assert [r["state"] for r in p.snapshot()["methods"]] == ["decoding", "waiting"]
+    ev("denoising", "bf16", 1)
+    snap = p.snapshot()
+    assert snap["eta_s"] is not None and snap["eta_s"] >= 0  # one step timed
+    assert [r["state"] for r in snap["methods"]] == ["denoising", "waiting"]
+    ev("denoising", "bf16", 2)
+    ev("decoding", "bf16", 2)
     assert p.describe() == "BF16 · decoding"
-    p.on_log("bf16: denoising 0.1 s (attention 0.0 s), decoding 0.1 s")
-    assert p.on_transformer_call() == "nvfp4"
-    assert [r["state"] for r in p.snapshot()["methods"]] == ["done", "denoising"]
+    ev("done", "bf16", 2, Timings(denoising_s=2.0, decoding_s=1.0, total_s=3.0))
+    ev("denoising", "nvfp4", 0)
+    snap = p.snapshot()
+    assert [r["state"] for r in snap["methods"]] == ["done", "denoising"]
+    assert snap["eta_s"] == pytest.approx(2 * 1.0 + 1.0)  # 2 steps at 1 s, one decode of 1 s
     assert p.current_method() == "nvfp4"
-    for _ in range(3):
-        p.on_transformer_call()
-    p.on_log("nvfp4: denoising …")
+    for i in (1, 2):
+        ev("denoising", "nvfp4", i)
+    ev("decoding", "nvfp4", 2)
+    ev("done", "nvfp4", 2, Timings(denoising_s=2.0, decoding_s=1.0, total_s=3.0))
     assert p.snapshot()["fraction"] == 1.0 and p.describe() == "writing the videos"
+    html = player.render_progress(p.snapshot(), p.describe())
+    assert "done in 3.00 s" in html
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,7 +281,8 @@ def _view(service) -> player.ResultView:
     out = service.run(service.check("a red circle", ["bf16", "nvfp4", "sage3", "attnqat"], **SMALL))
     return player.ResultView(run_id=out.run_id, methods=tuple(out.clips),
                              media={m: str(p) for m, p in out.media.items()},
-                             files=tuple(str(p) for p in out.clips.values()), record=out.record)
+                             files=tuple(str(p) for p in out.clips.values()),
+                             record=out.record.to_dict())
 
 
 def test_blind_player_names_no_method_until_revealed(service):
@@ -253,14 +291,22 @@ def test_blind_player_names_no_method_until_revealed(service):
     for m in view.methods:
         assert f'data-method="{m}"' in labelled and f"{m}.mp4" in labelled
     assert "PSNR vs BF16" in labelled and "dB" in labelled
+    # Attn-QAT's card says which weights ran (here a copy of the base: the NVFP4 clip)
+    assert "Attn-QAT (base weights copy — not fine-tuned)" in labelled
+    assert "same clip as NVFP4" in labelled
+    # frame stepping, the scrub bar and the comparison view come with the players
+    for cls in ("aq-prev", "aq-next", "aq-scrub", "aq-stage", "aq-split", "aq-zoom"):
+        assert f'class="{cls}' in labelled
     blind = view.with_blind(True, rng=random.Random(1))
     assert sorted(blind.order) == sorted(view.methods) and blind.hidden
     html = player.render_player(blind)
     assert not any(lab in html for lab in LABELS), "a method name leaked into the blind player"
-    assert re.findall(r"Clip ([A-D])", html) == ["A", "B", "C", "D"]
+    assert re.findall(r"<b>Clip ([A-D])</b>", html) == ["A", "B", "C", "D"]
+    # the comparison view offers the same letters
+    assert re.findall(r'<option value="\d">Clip ([A-D])</option>', html) == ["A", "B", "C", "D"] * 2
     assert "PSNR" not in html and "download=" not in html
     # every clip is there, in the shuffled order
-    srcs = re.findall(r'<video src="([^"]+)"', html)
+    srcs = re.findall(r'<video class="aq-main" src="([^"]+)"', html)
     assert srcs == [player.file_url(view.media[m]) for m in blind.order]
     shown = player.render_player(blind.reveal())
     labels = re.findall(r'data-method="([a-z0-9]+)"', shown)
@@ -274,6 +320,30 @@ def test_player_says_when_the_result_was_removed(service):
     assert "no longer on the server" in player.render_player(view)
 
 
+def test_attnqat_is_labelled_by_the_weights_it_runs(service, models):
+    from attnqat.app.ui import _method_choices
+
+    labels = dict((v, label) for label, v in _method_choices(service))
+    assert labels["attnqat"].startswith("Attn-QAT (base weights copy — not fine-tuned)")
+    tuned = dataclasses.replace(models, qat_info={**models.qat_info, "fine_tuned": True,
+                                                  "label": "Attn-QAT fine-tuned"})
+    s = svc.AppService(tuned, output_dir=service.root / "t")
+    labels = dict((v, label) for label, v in _method_choices(s))
+    assert labels["attnqat"] == f"Attn-QAT fine-tuned — {svc.QAT_NOTE_FINE_TUNED}"
+
+
+def test_the_plan_says_what_will_run(service):
+    settings = service.check("x", ["bf16", "sage3"], seed="5", steps=3, resolution="64x32",
+                             frames=9, guidance=5)
+    html = player.render_plan(settings, service)
+    for part in ("BF16, SageAttention3", "64×32 (width×height), 9 frames", "3 steps",
+                 "6 calls per method", "seed 5", f"{settings.dtype} on cpu", "PyTorch reference"):
+        assert part in html, part
+    errors = service.field_errors("x", ["bf16"], -1, 0, 5, 3, "64x32", 9, "", "self")
+    assert "Will not run" in player.render_plan(None, service, errors) and "Steps" in \
+        player.render_plan(None, service, errors)
+
+
 def test_summary_shows_the_seed_and_the_records_notes():
     record = {"seed": 42, "settings": {"height": 32, "width": 48, "frames": 5, "fps": 16,
                                        "steps": 2, "guidance": 5, "shift": 3,
@@ -281,7 +351,7 @@ def test_summary_shows_the_seed_and_the_records_notes():
               "methods": {"bf16": {}}, "model_weights_note": "random <weights>",
               "qat_weights_note": None}
     html = player.render_summary(record, 1.5)
-    assert "seed <b>42</b>" in html and "32×48" in html and "random &lt;weights&gt;" in html
+    assert "seed <b>42</b>" in html and "48×32" in html and "random &lt;weights&gt;" in html
     assert "random" not in player.render_summary(record, skip_notes=["Model: random <weights>"])
 
 
@@ -290,7 +360,8 @@ def test_metric_rows_of_identical_and_missing_reference():
                          "attention_share_of_denoising": 0.25},
              "peak_memory_bytes": 3 * 2 ** 30, "psnr": None, "ssim": 1.0, "identical_to_bf16": True}
     rows = {k: v for k, v, _ in player.metric_rows("attnqat", entry, bf16_run=True)}
-    assert rows == {"Denoising": "2.00 s", "Attention": "500 ms (25%)", "Peak memory": "3.00 GiB",
+    assert rows == {"Total": "—", "Denoising": "2.00 s", "Decoding": "—",
+                    "Attention": "500 ms (25%)", "Peak memory": "3.00 GiB",
                     "PSNR vs BF16": "identical", "SSIM vs BF16": "1.0000"}
     rows = {k: v for k, v, _ in player.metric_rows("nvfp4", entry, bf16_run=False)}
     assert rows["PSNR vs BF16"].startswith("—")
@@ -306,7 +377,7 @@ def test_app_help_lists_every_option(capsys):
     assert info.value.code == 0
     text = capsys.readouterr().out
     for opt in ("--model", "--qat-transformer", "--host", "--port", "--auth", "--device",
-                "--offload", "--output-dir", "--keep", "--queue-size", "--threads"):
+                "--dtype", "--offload", "--output-dir", "--keep", "--queue-size", "--threads"):
         assert opt in text
     assert "127.0.0.1" in text and "7860" in text
 
@@ -318,6 +389,18 @@ def test_bad_options_are_refused_before_loading(capsys, monkeypatch):
     assert cli_main(["app", "--port", "70000"]) == 2
     assert "--port" in capsys.readouterr().err
     assert cli_main(["app", "--keep", "0"]) == 2
+    capsys.readouterr()
+    import socket
+
+    with socket.socket() as busy:  # a port another program listens on: one line, before loading
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setattr(svc, "load_service", lambda *a, **k: pytest.fail("loaded the model"))
+        assert cli_main(["app", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot listen on 127.0.0.1:{port}" in err[0] and "--port N" in err[0]
+    assert "share" not in err[0] and "GRADIO_SERVER_PORT" not in err[0]
     monkeypatch.setenv(svc.FAULT_ENV, "explode")
     assert cli_main(["app"]) == 2
     assert svc.FAULT_ENV in capsys.readouterr().err

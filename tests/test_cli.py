@@ -57,6 +57,37 @@ def test_accuracy_benchmark_rejects_unknown_method():
         cli.main(["bench", "accuracy", "--methods", "nvfp4,fp8"])
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--seq", "0"], "--seq must be at least 1, got 0"),
+    (["--seq", "-5"], "--seq must be at least 1, got -5"),
+    (["--heads", "0"], "--heads must be at least 1"),
+    (["--head-dim", "20"], "--head-dim must be a positive multiple of 16"),
+    (["--json", "/proc/no/such.json"], "cannot be written"),
+    (["--json", "."], "is a folder"),
+])
+def test_accuracy_benchmark_refuses_bad_options_before_any_work(monkeypatch, args, message):
+    import attnqat.accuracy as acc
+
+    def no_work(*a, **k):
+        raise AssertionError("the benchmark ran before its options were checked")
+
+    monkeypatch.setattr(acc, "measure", no_work)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "accuracy", *args])
+    text = str(info.value.code)
+    assert text.startswith("attnqat bench accuracy: error: ") and message in text
+    assert "\n" not in text  # one line, no traceback
+
+
+def test_accuracy_benchmark_writes_json_by_default(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["bench", "accuracy", "--seq", "32", "--heads", "1", "--head-dim", "32",
+                     "--methods", "nvfp4"]) == 0
+    data = json.loads((tmp_path / "runs" / "bench_accuracy.json").read_text())
+    assert {r["method"] for r in data["rows"]} == {"bf16", "nvfp4"} and data["settings"]["seq"] == 32
+    assert "wrote runs/bench_accuracy.json" in capsys.readouterr().out
+
+
 def test_console_script_runs_as_a_process():
     r = subprocess.run([sys.executable, "-m", "attnqat.cli", "bench", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "accuracy" in r.stdout

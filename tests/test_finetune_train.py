@@ -209,7 +209,7 @@ def test_ema_and_export_load_in_generate(model, tmp_path):
     res = generate("a red circle moves left on a blue background", methods="bf16,attnqat",
                    models=models, progress=False)
     assert res.videos["attnqat"].shape == (5, 32, 32, 3)
-    assert res.record["methods"]["attnqat"]["transformer"] == "attnqat"
+    assert res.record.methods["attnqat"].transformer == "attnqat"
 
 
 def test_validation_writes_clips_and_procedural_scores(model, tmp_path):
@@ -328,3 +328,21 @@ def test_start_weights_in_another_naming_scheme(model, tmp_path, scheme):
     assert train(model, tmp_path / "other", *common, "--transformer", str(path)) == 0
     assert losses(tmp_path / "other") == losses(tmp_path / "own")
     assert json.loads((tmp_path / "other" / "config.json").read_text())["transformer"] == str(path)
+
+
+def test_weights_trained_without_attnqat_are_never_labelled_attnqat(model, tmp_path):
+    """The BF16 control's and the drop-in ablation's exports, loaded in the Attn-QAT slot, say what
+    they are."""
+    from attnqat import wan
+    from attnqat.finetune.export import export
+
+    for attention in ("bf16", "dropin"):
+        run = tmp_path / attention
+        assert train(model, run, "--steps", "1", "--batch-size", "1", "--attention", attention,
+                     "--lr", "1e-3", "--warmup", "0") == 0
+        out = export(run, tmp_path / f"{attention}-out")
+        m = wan.load_models(model, qat_transformer=out, device="cpu")
+        kind = wan.FINETUNED_WEIGHTS[attention]
+        assert m.qat_info["fine_tuned"] is False and m.qat_info["identical_to_base"] is False
+        assert m.qat_info["label"] == wan.QAT_LABEL_NOT_ATTNQAT[kind]
+        assert m.qat_info["label"].startswith("not Attn-QAT") and "not Attn-QAT" in m.qat_info["note"]

@@ -138,7 +138,7 @@ def test_shipped_qat_weights_generate_a_clip_that_follows_its_caption():
 
     prompt = heldout_prompts(7)[6]
     res = generate(prompt, seed=6, methods="attnqat", device="cpu", progress=False)
-    assert res.record["methods"]["attnqat"]["attention_method"] == "nvfp4"
-    assert res.record["qat"]["identical_to_base"] is False
+    assert res.record.methods["attnqat"].attention_method == "nvfp4"
+    assert res.record.qat.identical_to_base is False and res.record.qat.fine_tuned is True
     score = score_clip(prompt, res.videos["attnqat"])
     assert score["prompt_score"] >= 0.75, score["objects"]

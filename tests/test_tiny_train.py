@@ -430,8 +430,8 @@ def test_shipped_model_draws_a_heldout_prompt():
     prompt = heldout_prompts(7)[6]
     assert prompt == "a green triangle moves right on a white background"
     res = generate(prompt, seed=6, methods="bf16", device="cpu", progress=False)
-    assert res.record["settings"]["steps"] == 20 and res.videos["bf16"].shape == (33, 128, 128, 3)
-    assert res.record["settings"]["max_sequence_length"] == 32   # the sidecar's prompt padding
+    assert res.record.settings["steps"] == 20 and res.videos["bf16"].shape == (33, 128, 128, 3)
+    assert res.record.settings["max_sequence_length"] == 32   # the sidecar's prompt padding
     score = score_clip(prompt, res.videos["bf16"])
     assert score["n_detected"] >= 1 and score["background"], score["objects"]
     assert score["prompt_score"] >= 0.75, score["objects"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -194,6 +195,8 @@ def test_model_info(tmp_path):
         wan.model_info(tmp_path)
     hub = wan.model_info("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")  # nothing fetched yet
     assert hub.path is None and hub.defaults["height"] == 480 and hub.defaults["frames"] == 81
+    # Wan's own negative prompt for Wan; none for the tiny model (its text encoder never saw it)
+    assert hub.defaults["negative_prompt"] == wan.WAN_NEGATIVE_PROMPT and info.defaults["negative_prompt"] == ""
     assert wan.default_shift(480, 832) == 3.0 and wan.default_shift(720, 1280) == 5.0
 
 
@@ -206,19 +209,113 @@ def test_load_models_dtypes_and_shared_components(models):
     pipe = models.pipe
     from diffusers import WanPipeline
 
+    native, _ = wan.resolve_dtype("auto", "cpu")
     assert isinstance(pipe, WanPipeline)
-    assert pipe.transformer.dtype == torch.bfloat16
-    assert pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
+    assert models.dtype == native and models.dtype_reason
+    assert pipe.transformer.dtype == native
+    assert pipe.transformer.blocks[0].attn1.to_q.weight.dtype == native
     assert pipe.transformer.scale_shift_table.dtype == torch.float32  # kept fp32 as diffusers does
     assert pipe.vae.dtype == torch.float32
-    assert pipe.text_encoder.dtype == torch.bfloat16
+    assert pipe.text_encoder.dtype == native
     qat = models.qat_transformer
     assert qat is not None and qat is not pipe.transformer
+    assert qat.blocks[0].attn1.to_q.weight.dtype == native
     assert models.transformer_for("attnqat") is qat and models.transformer_for("sage3") is pipe.transformer
     assert models.qat_info["scheme"] == "diffusers"
     # the shipped Attn-QAT weights (docs/repro.md) are fine-tuned, not a copy of the base
-    assert models.qat_info["identical_to_base"] is False
+    assert models.qat_info["identical_to_base"] is False and models.qat_info["fine_tuned"] is True
+    assert models.qat_info["label"] == wan.QAT_LABEL_FINE_TUNED
     assert models.qat_info["note"].startswith("Attn-QAT fine-tuned")
+    assert "path" not in models.qat_info  # API clients take a dict with "path" for a file
+
+
+def test_explicit_dtypes_are_loaded_as_asked():
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        m = wan.load_models(device="cpu", dtype=name)
+        assert m.dtype == dtype and m.dtype_reason == "asked for"
+        assert m.pipe.transformer.dtype == dtype and m.pipe.text_encoder.dtype == dtype
+        assert m.pipe.vae.dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown dtype"):
+        wan.resolve_dtype("float16", "cpu")
+
+
+def _cpu(monkeypatch, capability: str, bf16: bool, amx: bool = False):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+
+
+def test_dtype_follows_what_the_cpu_runs_natively(monkeypatch):
+    _cpu(monkeypatch, "AVX2", bf16=False)                    # e.g. an AVX2-only EPYC
+    dtype, why = wan.resolve_dtype("auto", "cpu")
+    assert dtype == torch.float32 and "no BF16 instructions" in why
+    _cpu(monkeypatch, "AVX512", bf16=True)                   # AVX512-BF16
+    assert wan.resolve_dtype("auto", "cpu")[0] == torch.bfloat16
+    _cpu(monkeypatch, "AVX512", bf16=False, amx=True)        # AMX
+    assert wan.resolve_dtype("auto", "cpu")[0] == torch.bfloat16
+    _cpu(monkeypatch, "AVX2", bf16=True)                     # ATEN_CPU_CAPABILITY=avx2
+    assert wan.resolve_dtype("auto", "cpu")[0] == torch.float32
+    _cpu(monkeypatch, "AVX512", bf16=True)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")         # oneDNN capped below BF16
+    dtype, why = wan.resolve_dtype("auto", "cpu")
+    assert dtype == torch.float32 and "ONEDNN_MAX_CPU_ISA" in why
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    assert wan.resolve_dtype("auto", "cpu")[0] == torch.bfloat16
+    assert wan.resolve_dtype("float32", "cpu") == (torch.float32, "asked for")
+
+
+def test_dtype_on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert wan.resolve_dtype("auto", "cuda")[0] == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert wan.resolve_dtype("auto", "cuda")[0] == torch.float32
+
+
+def test_vae_convolutions_run_through_onednn_with_the_same_result(models):
+    from attnqat.generate import decode
+
+    vae = models.pipe.vae
+    convs = [m for m in vae.modules() if isinstance(m, torch.nn.Conv3d)]
+    assert convs and all("_conv_forward" in vars(m) for m in convs)  # every one rerouted
+    conv = convs[len(convs) // 2]
+    x = torch.randn(1, conv.in_channels, 3, 18, 18)
+    with torch.no_grad():
+        fast = conv._conv_forward(x, conv.weight, conv.bias)
+        slow = torch.nn.Conv3d._conv_forward(conv, x, conv.weight, conv.bias)
+    assert fast.shape == slow.shape and torch.allclose(fast, slow, rtol=1e-4, atol=1e-5)
+    assert torch.equal(conv._conv_forward(x, conv.weight, conv.bias).detach(), slow)  # autograd:
+    # PyTorch's own path
+    z = torch.randn(1, 16, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    frames_fast = decode(models, z)
+    saved = {m: vars(m).pop("_conv_forward") for m in convs}
+    try:
+        frames_slow = decode(models, z)
+    finally:
+        for m, f in saved.items():
+            m._conv_forward = f
+    diff = np.abs(frames_fast.astype(int) - frames_slow.astype(int))
+    assert frames_fast.shape == frames_slow.shape == (9, 64, 64, 3)
+    assert diff.max() <= 1 and diff.mean() < 0.01  # summation order only
+
+
+def test_a_fine_tuned_qat_checkpoint_is_labelled_so(tmp_path, models):
+    from safetensors.torch import save_file
+
+    sd = {k: v.clone() for k, v in models.pipe.transformer.state_dict().items()}
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "copy.safetensors"))
+    m = wan.load_models(qat_transformer=tmp_path / "copy.safetensors", device="cpu")
+    assert m.qat_info["identical_to_base"] is True and m.qat_info["fine_tuned"] is False
+    assert m.qat_info["label"] == wan.QAT_LABEL_BASE_COPY
+    assert "identical to the base" in m.qat_info["note"]
+    key = next(k for k in sd if k.endswith("attn1.to_q.weight"))
+    sd[key] = sd[key] + 0.01
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "tuned.safetensors"))
+    m = wan.load_models(qat_transformer=tmp_path / "tuned.safetensors", device="cpu")
+    assert m.qat_info["fine_tuned"] is True and m.qat_info["identical_to_base"] is False
+    assert m.qat_info["label"] == wan.QAT_LABEL_FINE_TUNED
 
 
 def test_corrupted_model_file_gives_a_clear_error(tmp_path):

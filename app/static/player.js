@@ -1,22 +1,36 @@
-// Synced looping playback of the method clips (the `js_on_load` of the player's gr.HTML).
+// Synced playback of the method clips (the `js_on_load` of the player's gr.HTML).
 // `element` is the component's root; `watch` re-runs setup after each new result.
 // The clips start together once every one can play, restart together at the end of each loop,
-// and a clip that drifts from the first by more than 0.15 s is moved back in line.
-// State for tests and styling: data-state (loading | playing | paused | error), data-loops.
+// and a clip that drifts from the first by more than 0.15 s is moved back in line. Frame stepping
+// and the scrub bar pause every clip on the same frame (the middle of its display interval). The
+// comparison view draws one clip over another with a split slider and a zoom; its two videos follow
+// the same clock.
+// State for tests and styling: data-state (loading | playing | paused | error), data-loops,
+// data-frame (the frame shown after stepping or scrubbing, 0-based).
 (function () {
   function setup() {
     var root = element.querySelector('.aq-player');
     if (!root || root.dataset.ready) return;
     root.dataset.ready = '1';
-    var vids = Array.prototype.slice.call(root.querySelectorAll('video'));
-    if (!vids.length) return;
+    var mains = Array.prototype.slice.call(root.querySelectorAll('video.aq-main'));
+    if (!mains.length) return;
+    var cmpA = root.querySelector('.aq-cmp-a'), cmpB = root.querySelector('.aq-cmp-b');
+    var vids = mains.concat([cmpA, cmpB].filter(Boolean));
+    var fps = Number(root.dataset.fps) || 16, frames = Number(root.dataset.frames) || 1;
     var paused = false, started = false, loops = 0, pending = null;
     var toggle = root.querySelector('.aq-toggle');
     var restartBtn = root.querySelector('.aq-restart');
+    var scrub = root.querySelector('.aq-scrub'), frameLabel = root.querySelector('.aq-frame');
+    var master = mains[0];
 
     function setState(s) {
       root.dataset.state = s;
       if (toggle) toggle.textContent = s === 'paused' ? 'Play' : 'Pause';
+    }
+    function frameOf(t) { return Math.max(0, Math.min(frames - 1, Math.floor(t * fps + 1e-6))); }
+    function showFrame(n) {
+      if (scrub) scrub.value = String(n);
+      if (frameLabel) frameLabel.textContent = 'frame ' + (n + 1) + '/' + frames;
     }
     function playAll() {
       vids.forEach(function (v) {
@@ -24,10 +38,25 @@
         if (p && p.catch) p.catch(function () {});
       });
     }
+    function pauseAll() {
+      paused = true;
+      if (pending) { clearTimeout(pending); pending = null; }
+      vids.forEach(function (v) { v.pause(); });
+      setState('paused');
+    }
+    function setFrame(n) {
+      n = Math.max(0, Math.min(frames - 1, n));
+      pauseAll();
+      var t = (n + 0.5) / fps;
+      vids.forEach(function (v) { v.currentTime = t; });
+      root.dataset.frame = String(n);
+      showFrame(n);
+    }
     function restart(countLoop) {
       if (pending) { clearTimeout(pending); pending = null; }
       vids.forEach(function (v) { v.pause(); v.currentTime = 0; });
       if (countLoop) { loops += 1; root.dataset.loops = String(loops); }
+      showFrame(0);
       if (!paused) { playAll(); setState('playing'); }
     }
     function maybeStart() {
@@ -42,6 +71,7 @@
       v.addEventListener('canplaythrough', maybeStart);
       v.addEventListener('loadeddata', maybeStart);
       v.addEventListener('ended', function () {
+        if (paused) return;
         if (vids.every(function (x) { return x.ended; })) { restart(true); return; }
         if (!pending) pending = setTimeout(function () { pending = null; restart(true); }, 250);
       });
@@ -51,22 +81,74 @@
         if (msg) msg.textContent = 'A clip could not be loaded: the server keeps only the most ' +
           'recent results. Generate again to see it.';
       });
+    });
+    mains.forEach(function (v) {
       v.addEventListener('click', function () { if (toggle) toggle.click(); });
     });
-    vids[0].addEventListener('timeupdate', function () {
+    master.addEventListener('timeupdate', function () {
       if (paused || pending) return;
-      var t = vids[0].currentTime;
+      var t = master.currentTime;
+      showFrame(frameOf(t));
       vids.slice(1).forEach(function (v) {
         if (!v.ended && Math.abs(v.currentTime - t) > 0.15) v.currentTime = t;
       });
     });
     if (toggle) toggle.addEventListener('click', function () {
-      paused = !paused;
-      if (paused) { vids.forEach(function (v) { v.pause(); }); setState('paused'); }
-      else { playAll(); setState('playing'); }
+      if (paused) { paused = false; delete root.dataset.frame; playAll(); setState('playing'); }
+      else pauseAll();
     });
     if (restartBtn) restartBtn.addEventListener('click', function () { restart(false); });
+    var prev = root.querySelector('.aq-prev'), next = root.querySelector('.aq-next');
+    function current() {
+      return root.dataset.frame !== undefined ? Number(root.dataset.frame) : frameOf(master.currentTime);
+    }
+    if (prev) prev.addEventListener('click', function () { setFrame(current() - 1); });
+    if (next) next.addEventListener('click', function () { setFrame(current() + 1); });
+    if (scrub) scrub.addEventListener('input', function () { setFrame(Number(scrub.value)); });
+
+    // The comparison view.
+    var stage = root.querySelector('.aq-stage');
+    if (stage && cmpA && cmpB) {
+      var srcs = mains.map(function (v) { return v.getAttribute('src'); });
+      var left = root.querySelector('.aq-cmp-left'), right = root.querySelector('.aq-cmp-right');
+      var split = root.querySelector('.aq-split'), zoom = root.querySelector('.aq-zoom');
+      var line = root.querySelector('.aq-split-line');
+      if (right) right.value = stage.dataset.right || '0';
+      function choose(video, index) {
+        var src = srcs[Number(index)];
+        if (!src || video.getAttribute('src') === src) return;
+        video.setAttribute('src', src);
+        video.addEventListener('loadeddata', function once() {
+          video.removeEventListener('loadeddata', once);
+          video.currentTime = master.currentTime;
+          if (!paused) { var p = video.play(); if (p && p.catch) p.catch(function () {}); }
+        });
+      }
+      function applySplit() {
+        var x = Number(split ? split.value : 50);
+        cmpA.style.clipPath = 'inset(0 ' + (100 - x) + '% 0 0)';
+        if (line) line.style.left = x + '%';
+        stage.dataset.split = String(x);
+      }
+      function applyZoom() {
+        var z = Number(zoom ? zoom.value : 1);
+        [cmpA, cmpB].forEach(function (v) { v.style.transform = 'scale(' + z + ')'; });
+        stage.dataset.zoom = String(z);
+      }
+      if (left) left.addEventListener('change', function () { choose(cmpA, left.value); });
+      if (right) right.addEventListener('change', function () { choose(cmpB, right.value); });
+      if (split) split.addEventListener('input', applySplit);
+      if (zoom) zoom.addEventListener('change', applyZoom);
+      stage.addEventListener('mousemove', function (e) {
+        var r = stage.getBoundingClientRect();
+        var origin = ((e.clientX - r.left) / r.width * 100) + '% ' + ((e.clientY - r.top) / r.height * 100) + '%';
+        [cmpA, cmpB].forEach(function (v) { v.style.transformOrigin = origin; });
+      });
+      applySplit();
+      applyZoom();
+    }
     setState('loading');
+    showFrame(0);
     maybeStart();
   }
   setup();
