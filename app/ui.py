@@ -33,6 +33,7 @@ from typing import Any
 import gradio as gr
 
 from attnqat.generate import GENERATION_METHODS, InvalidInput
+from attnqat.prompts import model_prompts
 from attnqat.tiny import ASSETS_DIR, TINY_MODEL_DIR
 from attnqat.wan import dtype_name
 
@@ -49,27 +50,14 @@ POLL_S = 0.4
 IDLE = ('<div class="aq-msg aq-idle">Press Generate: a progress bar per method appears here, then '
         'the clips.</div>')
 
-#: Prompts in the tiny model's vocabulary (the synthetic shapes captions it is meant to learn).
-TINY_EXAMPLES = ("a red circle moves left on a blue background",
-                 "a yellow square moves up on a black background",
-                 "a green triangle moves right on a white background",
-                 "a pink circle moves down on a gray background")
-
-
 def theme() -> gr.themes.Base:
     return gr.themes.Default(font=SANS, font_mono=MONO, primary_hue="indigo")
 
 
 def example_prompts(service: AppService, n: int = 6) -> list[str]:
-    """Example prompts for the page: shapes captions for the tiny model, then the project's list."""
-    try:
-        lines = (ASSETS_DIR / "prompts.txt").read_text(encoding="utf-8").splitlines()
-    except OSError:  # examples are optional
-        lines = []
-    general = list(dict.fromkeys(line.strip() for line in lines if line.strip()))
-    if service.info.kind == "tiny-wan":
-        return list(TINY_EXAMPLES) + general[:2]
-    return general[:n]
+    """Example prompts the loaded model can answer (:func:`attnqat.prompts.model_prompts`):
+    held-out synthetic captions for the tiny model, the natural-language list for real Wan."""
+    return model_prompts(service.info)[:n]
 
 
 def _model_line(service: AppService) -> str:

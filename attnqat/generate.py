@@ -310,19 +310,14 @@ def _check_out(out: str | Path | None, overwrite: bool) -> str | None:
 def _check_backend(backend: str, methods: Sequence[str], fp4_scope: str, device: torch.device,
                    dtype: torch.dtype) -> str | None:
     """Why ``backend`` cannot run these settings, or None. ``triton`` runs the 4-bit attention on
-    the Triton kernels only (no fallback); those need CUDA and BF16, and plain attention — the
-    ``bf16`` method, and cross-attention unless ``fp4_scope="all"`` — has no Triton kernel."""
-    if backend != "triton":
+    the Triton kernels only (no fallback to the reference); those need CUDA and BF16. Plain
+    attention — the ``bf16`` method, and cross-attention under ``fp4_scope="self"`` — has no Triton
+    kernel and runs PyTorch SDPA whatever the backend (:class:`attnqat.wan.AttnQATProcessor`)."""
+    if backend != "triton" or not any(m != "bf16" for m in methods):
         return None
     if device.type != "cuda":
         return (f"the Triton kernels need a CUDA GPU and this run is on {device}; use "
                 "--backend auto (the PyTorch reference on the CPU) or torch")
-    if "bf16" in methods:
-        return ("the bf16 method is plain attention (PyTorch SDPA) and has no Triton kernel; drop "
-                "bf16 from --methods or use --backend auto")
-    if fp4_scope == "self":
-        return ("with --fp4-scope self cross-attention runs plain bf16 attention, which has no "
-                "Triton kernel; pass --fp4-scope all or use --backend auto")
     if dtype != torch.bfloat16:
         return f"the Triton kernels take bfloat16 and this run computes in {dtype_name(dtype)}"
     return None

@@ -291,9 +291,8 @@ def test_blind_player_names_no_method_until_revealed(service):
     for m in view.methods:
         assert f'data-method="{m}"' in labelled and f"{m}.mp4" in labelled
     assert "PSNR vs BF16" in labelled and "dB" in labelled
-    # Attn-QAT's card says which weights ran (here a copy of the base: the NVFP4 clip)
-    assert "Attn-QAT (base weights copy — not fine-tuned)" in labelled
-    assert "same clip as NVFP4" in labelled
+    # Attn-QAT's card says which weights ran (the shipped Attn-QAT fine-tuned weights)
+    assert "Attn-QAT fine-tuned" in labelled and "base weights copy" not in labelled
     # frame stepping, the scrub bar and the comparison view come with the players
     for cls in ("aq-prev", "aq-next", "aq-scrub", "aq-stage", "aq-split", "aq-zoom"):
         assert f'class="{cls}' in labelled
@@ -324,12 +323,13 @@ def test_attnqat_is_labelled_by_the_weights_it_runs(service, models):
     from attnqat.app.ui import _method_choices
 
     labels = dict((v, label) for label, v in _method_choices(service))
-    assert labels["attnqat"].startswith("Attn-QAT (base weights copy — not fine-tuned)")
-    tuned = dataclasses.replace(models, qat_info={**models.qat_info, "fine_tuned": True,
-                                                  "label": "Attn-QAT fine-tuned"})
-    s = svc.AppService(tuned, output_dir=service.root / "t")
+    assert labels["attnqat"] == f"Attn-QAT fine-tuned — {svc.QAT_NOTE_FINE_TUNED}"   # the shipped weights
+    copy = dataclasses.replace(models, qat_info={**models.qat_info, "fine_tuned": False,
+                                                 "identical_to_base": True,
+                                                 "label": "Attn-QAT (base weights copy — not fine-tuned)"})
+    s = svc.AppService(copy, output_dir=service.root / "t")
     labels = dict((v, label) for label, v in _method_choices(s))
-    assert labels["attnqat"] == f"Attn-QAT fine-tuned — {svc.QAT_NOTE_FINE_TUNED}"
+    assert labels["attnqat"].startswith("Attn-QAT (base weights copy — not fine-tuned)")
 
 
 def test_the_plan_says_what_will_run(service):
@@ -412,3 +412,19 @@ def test_parse_auth():
     for bad in ("ann", ":pw", "ann:"):
         with pytest.raises(ValueError):
             parse_auth(bad)
+
+
+def test_example_prompts_fit_the_loaded_model():
+    """The tiny model is offered held-out synthetic captions (it draws nothing else); a real Wan
+    model the natural-language list."""
+    from types import SimpleNamespace
+
+    from attnqat.app.ui import example_prompts
+    from attnqat.prompts import natural_prompts
+    from attnqat.synthetic import heldout_prompts, parse_caption
+    from attnqat.wan import model_info
+
+    tiny = example_prompts(SimpleNamespace(info=model_info()))
+    assert tiny == heldout_prompts(106)[100:] and all(parse_caption(p) for p in tiny)
+    wan = example_prompts(SimpleNamespace(info=model_info("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")))
+    assert wan == natural_prompts()[:6] and not any(p in heldout_prompts(300) for p in wan)

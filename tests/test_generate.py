@@ -204,10 +204,11 @@ def test_threads_must_be_positive(no_loading, capsys, tmp_path):
 def test_triton_backend_rules():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert "CUDA" in gen._check_backend("triton", ["nvfp4"], "all", cpu, torch.bfloat16)
-    assert "bf16 method" in gen._check_backend("triton", ["bf16", "nvfp4"], "all", cuda, torch.bfloat16)
-    assert "--fp4-scope all" in gen._check_backend("triton", ["nvfp4"], "self", cuda, torch.bfloat16)
     assert "bfloat16" in gen._check_backend("triton", ["nvfp4"], "all", cuda, torch.float32)
     assert gen._check_backend("triton", ["nvfp4", "sage3"], "all", cuda, torch.bfloat16) is None
+    # plain attention (the bf16 slot, cross-attention under scope self) runs SDPA: the defaults work
+    assert gen._check_backend("triton", list(gen.GENERATION_METHODS), "self", cuda, torch.bfloat16) is None
+    assert gen._check_backend("triton", ["bf16"], "self", cpu, torch.float32) is None
     assert gen._check_backend("auto", ["bf16"], "self", cpu, torch.float32) is None
 
 
