@@ -135,7 +135,7 @@ def test_every_method_through_the_api_with_the_clients_defaults(server):
     for p in clips:
         check_clip(p, 5, 32, 32)
     assert isinstance(record["seed"], int) and record["seed"] >= 0
-    assert record["qat"]["label"] == "Attn-QAT (base weights copy — not fine-tuned)"
+    assert record["qat"]["label"] == "Attn-QAT fine-tuned"   # the shipped weights (docs/repro.md)
     assert "path" not in record["qat"]
     assert record["precision"]["dtype"] in ("bfloat16", "float32") and record["precision"]["reason"]
     assert json.loads(Path(record_file).read_text()) == record

@@ -148,7 +148,7 @@ def test_page_generates_plays_in_sync_blind_mode_and_stays_local(app, tmp_path):
             header = page.inner_text("#aq-header")
             assert service.info.weights_note in header
             assert f"Precision: {str(service.models.dtype).removeprefix('torch.')}" in header
-            assert "Attn-QAT (base weights copy — not fine-tuned)" in page.inner_text("#aq-methods")
+            assert "Attn-QAT fine-tuned" in page.inner_text("#aq-methods")
 
             # Empty prompt: a message in the page, nothing generated.
             page.click("#aq-generate")

@@ -31,7 +31,7 @@ def test_cli_all_four_methods_end_to_end(tmp_path, capsys):
                "--out", str(out), "--no-progress"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "identical to the base transformer" in printed  # the QAT weights are a copy, said so
+    assert "Attn-QAT fine-tuned" in printed and "docs/repro.md" in printed  # which weights ran
     assert f"wrote {out}" in printed
     names = sorted(p.name for p in out.iterdir())
     assert names == ["attnqat.mp4", "bf16.mp4", "nvfp4.mp4", "record.json", "sage3.mp4", "side_by_side.mp4"]
@@ -41,12 +41,12 @@ def test_cli_all_four_methods_end_to_end(tmp_path, capsys):
     assert rec["settings"]["fp4_scope"] == "self"
     assert rec["side_by_side"] == "side_by_side.mp4"
     assert rec["versions"]["torch"] == torch.__version__
-    assert "identical to the base" in rec["qat_weights_note"]
-    # which precision ran, and which Attn-QAT weights (a copy of the base: said in the label)
+    assert rec["qat_weights_note"].startswith("Attn-QAT fine-tuned")
+    # which precision ran, and which Attn-QAT weights (the shipped fine-tuned ones: said in the label)
     assert rec["precision"]["dtype"] == wan.dtype_name(wan.resolve_dtype("auto", "cpu")[0])
     assert rec["precision"]["reason"] and rec["settings"]["dtype"] == rec["precision"]["dtype"]
-    assert rec["qat"]["label"] == wan.QAT_LABEL_BASE_COPY and rec["qat"]["fine_tuned"] is False
-    assert rec["methods"]["attnqat"]["label"] == wan.QAT_LABEL_BASE_COPY
+    assert rec["qat"]["label"] == wan.QAT_LABEL_FINE_TUNED and rec["qat"]["fine_tuned"] is True
+    assert rec["methods"]["attnqat"]["label"] == wan.QAT_LABEL_FINE_TUNED
     assert GenerationRecord.from_dict(rec).to_dict() == rec  # the typed record reads it back
     for m, d in rec["methods"].items():
         assert d["video"] == f"{m}.mp4"
@@ -90,7 +90,9 @@ def test_same_noise_same_embeddings_and_text_encoded_once(models, monkeypatch):
     v = res.videos
     assert set(v) == {"bf16", "nvfp4", "sage3", "attnqat"}
     assert not np.array_equal(v["bf16"], v["nvfp4"])
-    assert np.array_equal(v["nvfp4"], v["attnqat"])  # identical weights, same numerics
+    # the same attention on other (the Attn-QAT fine-tuned) weights
+    assert res.record.methods["attnqat"].attention_method == "nvfp4"
+    assert not np.array_equal(v["nvfp4"], v["attnqat"])
 
 
 def test_bf16_equals_the_diffusers_pipeline(models):
