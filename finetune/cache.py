@@ -28,12 +28,12 @@ import json
 import os
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from .data import CACHE_MANIFEST, DataError, list_videos
+from .runlog import now
 
 SETTINGS = ("model", "height", "width", "frames", "stride", "latent_dtype", "max_sequence_length")
 
@@ -58,8 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -128,7 +126,7 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
                             "another --out or the same settings")
     else:
         out.mkdir(parents=True, exist_ok=True)
-        manifest = {"version": 1, **settings, "created": _now(), "shards": [], "skipped": []}
+        manifest = {"version": 1, **settings, "created": now(), "shards": [], "skipped": []}
     done = {n for s in manifest["shards"] for n in s["names"]}
     todo = [c for c in clips if c[0] not in done]
     manifest["skipped"] = []
@@ -157,7 +155,7 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
                                    "captions": [c for _, c, _, _ in buf]})
         manifest["latent_shape"] = list(buf[0][2].shape)
         manifest["text_dim"] = int(texts[0].shape[-1])
-        manifest["updated"] = _now()
+        manifest["updated"] = now()
         _write_json(manifest_path, manifest)
         buf.clear()
 
@@ -182,7 +180,7 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
             flush()
     bar.close()
     flush()
-    manifest["updated"] = _now()
+    manifest["updated"] = now()
     _write_json(manifest_path, manifest)
     cached = sum(len(s["names"]) for s in manifest["shards"])
     log(f"cached {cached} clips in {len(manifest['shards'])} shard(s) ({time.perf_counter() - t0:.1f} s"

@@ -21,12 +21,12 @@ import os
 import shutil
 import sys
 import tempfile
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 from . import checkpoint as ckpt
+from .runlog import now
 
 
 
@@ -77,6 +77,7 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
     from diffusers import WanTransformer3DModel
 
     from attnqat.convert import param_dtype
+    from attnqat.tiny import _chmod_files, _chmod_like_mkdir
     from attnqat.wan import FINETUNED_WEIGHTS
 
     folder = ckpt.resolve(run, run)
@@ -107,12 +108,10 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
                          "weights": weights, "checkpoint": str(folder)}
         record = {"kind": "attnqat-transformer", "weights": FINETUNED_WEIGHTS[cfg["attention"]],
                   "qat_weights_note": note(training), "training": training,
-                  "exported": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+                  "exported": now()}
         (tmp / "attnqat.json").write_text(json.dumps(record, indent=1) + "\n")
-        umask = os.umask(0)
-        os.umask(umask)
-        for f in [tmp, *tmp.rglob("*")]:
-            os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~umask)
+        _chmod_like_mkdir(tmp)
+        _chmod_files(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -36,10 +36,11 @@ import shlex
 import shutil
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+
+from .runlog import device_name, now
 
 STAGES = ("train", "eval", "report", "ship")
 #: run name → (student attention, ablation, label)
@@ -113,8 +114,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the ship stage puts the Attn-QAT transformer")
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def log(msg: str) -> None:
@@ -193,7 +192,6 @@ def _clip_record(score: dict) -> dict:
 
 
 def stage_eval(args, runs: list[str]) -> int:
-    import torch
 
     from attnqat.convert import load_wan_transformer
     from attnqat.wan import load_models
@@ -231,8 +229,8 @@ def stage_eval(args, runs: list[str]) -> int:
             models, tr, inp, method, args.eval_backend, args.eval_batch)
         t2 = time.perf_counter()
         scores = heldout.score_all(inp.prompts, clips, args.workers)
-        rec = {"config": c, "weights": weights, "attention": method, "date": _now(),
-               "device": torch.cuda.get_device_name(models.device) if models.device.type == "cuda" else "cpu",
+        rec = {"config": c, "weights": weights, "attention": method, "date": now(),
+               "device": device_name(models.device),
                "backend": args.eval_backend, "first_prompt": args.eval_offset,
                "prompts": inp.prompts, "seeds": [s.seed for s in inp.settings],
                "settings": {k: getattr(inp.settings[0], k) for k in
@@ -303,7 +301,7 @@ def stage_report(args, runs: list[str], command: str) -> int:
     figs.mkdir(parents=True, exist_ok=True)
     run_dirs = {r: args.work / "runs" / r for r in runs if (args.work / "runs" / r / "log.jsonl").is_file()}
     lines = ["# Attn-QAT on the embedded tiny model: the paper's claims, measured", "",
-             f"Written by `{command}` on {_now()[:10]} (every number below comes from it; the "
+             f"Written by `{command}` on {now()[:10]} (every number below comes from it; the "
              "training and evaluation stages can run in several calls, each continuing the last)."]
     e0 = ev["base-bf16"]
     s = e0["settings"]
@@ -397,7 +395,7 @@ def stage_report(args, runs: list[str], command: str) -> int:
     args.doc.parent.mkdir(parents=True, exist_ok=True)
     args.doc.write_text("\n".join(lines) + "\n")
     (args.work / "report.json").write_text(json.dumps(
-        {"date": _now(), "command": command, "pairs": {f"{a} vs {b}": v for (a, b), v in verdicts.items()},
+        {"date": now(), "command": command, "pairs": {f"{a} vs {b}": v for (a, b), v in verdicts.items()},
          "summaries": {c: r["summary"] for c, r in ev.items()}}, indent=1) + "\n")
     log(f"wrote {args.doc}")
     return 0

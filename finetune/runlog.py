@@ -20,6 +20,25 @@ from typing import Any, Iterator, Mapping
 LOG_FILE = "log.jsonl"
 
 
+def now() -> str:
+    """The current UTC time, ISO 8601 to the second (the date stamp of every run record)."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def device_name(dev) -> str:
+    """A device in words for run records: the GPU's name, or the CPU's architecture and cores."""
+    import os
+    import platform
+
+    import torch
+
+    if torch.device(dev).type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
 def _flat(prefix: str, value: Any, out: dict[str, float]) -> None:
     if isinstance(value, Mapping):
         for k, v in value.items():
@@ -129,4 +148,4 @@ def console_line(step: int, total: int | None, values: Mapping[str, Any]) -> str
     return "  ".join(parts)
 
 
-__all__ = ["LOG_FILE", "RunLog", "console_line", "read_log"]
+__all__ = ["LOG_FILE", "RunLog", "console_line", "device_name", "now", "read_log"]

@@ -67,12 +67,10 @@ import argparse
 import copy
 import json
 import math
-import os
 import shlex
 import sys
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -84,7 +82,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from attnqat import tiny
 from attnqat.finetune.encode import latent_norm
 from attnqat.finetune.objective import flow_matching_loss, noisy_input, predict, sample_sigma
-from attnqat.finetune.runlog import RunLog
+from attnqat.finetune.runlog import RunLog, device_name, now
 from attnqat.finetune.schedule import EMA, lr_factor
 from attnqat.synthetic import (BACKGROUND_COLOURS, COLOURS, MAX_OBJECTS, MOTION_PHRASE,
                                         MOTIONS, OBJECT_COLOURS, SHAPES, ClipSpec, spec_at)
@@ -237,8 +235,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # Small helpers
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 class Clock:
@@ -983,7 +979,7 @@ def evaluate(model_dir: Path, args, dev: torch.device) -> dict:
     tr = models.pipe.transformer
     text_binding = binding_signal(models.pipe.text_encoder, models.pipe.tokenizer, specs,
                                   args.text_len)
-    result = {"model": str(model_dir), "date": _now(), "device": _device_name(dev),
+    result = {"model": str(model_dir), "date": now(), "device": device_name(dev),
               "prompts": len(prompts), "first_prompt": first,
               "seeds": f"{first}..{first + len(prompts) - 1} (seed i for held-out prompt i)",
               "settings": {"steps": s0.steps, "guidance": s0.guidance, "shift": s0.shift,
@@ -1067,12 +1063,6 @@ def format_table(result: dict) -> str:
 # The command
 
 
-def _device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    import platform
-
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
 def _refuse(message: str) -> int:
@@ -1135,7 +1125,7 @@ def run(args: argparse.Namespace) -> int:
     if args.text_len > args.seq_len:
         return _refuse(f"--text-len {args.text_len} exceeds the model's max_sequence_length "
                        f"{args.seq_len}")
-    run_rec = {"date": _now(), "device": _device_name(dev), "stages": stages,
+    run_rec = {"date": now(), "device": device_name(dev), "stages": stages,
                "command": "attnqat finetune tiny " + shlex.join(sys.argv[1:])
                if sys.argv and not sys.argv[0].endswith("pytest") else None}
     state.setdefault("runs", [])

@@ -25,13 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +39,7 @@ from . import checkpoint as ckpt
 from .data import DataError, DataOrder, LatentCache, loader, open_source, pad_text, sample_seed
 from .distributed import PRECISIONS, DistContext, all_max, all_sum, local
 from .objective import SIGMA_SAMPLINGS, flow_matching_loss, noisy_input, predict, sample_sigma
-from .runlog import RunLog, console_line
+from .runlog import RunLog, console_line, device_name, now
 from .schedule import EMA, SCHEDULES, lr_factor
 
 STUDENT_METHODS = ("attnqat", "dropin", "bf16")
@@ -601,16 +599,8 @@ class Validator:
 # The loop
 
 
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _device_name(dev: torch.device) -> str:
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    import platform
-
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
 def _peak_memory(dev: torch.device) -> float:
@@ -710,8 +700,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         (run_dir / "transformer_config.json").write_text(json.dumps(tcfg, indent=1) + "\n")
         runlog = RunLog(run_dir, tensorboard=cfg.tensorboard)
         dropped = runlog.truncate_after(step)
-        runlog.write(step, "event", event="resume" if resume_from else "start", date=_now(),
-                     world=ctx.world, device=_device_name(ctx.device), dropped_records=dropped,
+        runlog.write(step, "event", event="resume" if resume_from else "start", date=now(),
+                     world=ctx.world, device=device_name(ctx.device), dropped_records=dropped,
                      checkpoint=str(resume_from) if resume_from else None)
     order = DataOrder(source.size, cfg.seed)
     batches = loader(source, order, start=samples, batch=cfg.batch_size, rank=ctx.rank,
@@ -728,7 +718,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     say(f"training {sum(p.numel() for p in transformer.parameters()) / 1e6:.1f} M parameters "
         f"({cfg.attention} attention, scope {cfg.scope}"
         + (f", ablation {cfg.ablation}" if cfg.ablation else "") + f") on {ctx.world} × "
-        f"{_device_name(ctx.device)}, {trainer.precision}; data {source.description}; global batch "
+        f"{device_name(ctx.device)}, {trainer.precision}; data {source.description}; global batch "
         f"{gb}; steps {step}..{cfg.steps}")
     stop = _Stop()
     t_start = time.perf_counter()
@@ -770,7 +760,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                        "as it was")
                 say(f"attnqat finetune train: {msg}")
                 if runlog is not None:
-                    runlog.write(step + 1, "event", event="non-finite", message=msg, date=_now())
+                    runlog.write(step + 1, "event", event="non-finite", message=msg, date=now())
                 status = EXIT_NONFINITE
                 break
             step += 1
@@ -799,7 +789,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
             if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps or stop_now:
                 ckpt.save(run_dir, step, trainer.model, trainer.optimizer, trainer.ema,
                           {"samples": samples, "loss": loss, "ema_updates": trainer.ema.updates
-                           if trainer.ema else 0, "date": _now(), "config": asdict(cfg),
+                           if trainer.ema else 0, "date": now(), "config": asdict(cfg),
                            "transformer_config": tcfg}, ctx, keep=cfg.keep)
                 last_saved = step
             if stop_now:
@@ -816,7 +806,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         bar.close()
         stop.restore()
         if runlog is not None:
-            runlog.write(step, "event", event="end", status=status, date=_now(),
+            runlog.write(step, "event", event="end", status=status, date=now(),
                          seconds=round(time.perf_counter() - t_start, 1), last_checkpoint=last_saved)
             runlog.close()
     if status == 0 and step >= cfg.steps:
