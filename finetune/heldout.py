@@ -81,18 +81,33 @@ def _score(item: tuple[str, np.ndarray]) -> dict:
     return score_clip(*item)
 
 
-def score_all(prompts: list[str], clips: list[np.ndarray], workers: int) -> list[dict]:
-    """:func:`attnqat.eval.procedural.score_clip` of every clip against its prompt, in ``workers``
-    processes (0: here)."""
-    items = list(zip(prompts, clips))
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def _pool_map(fn, items: list, workers: int) -> list:
+    """``fn`` over ``items`` in ``workers`` forked processes of one thread each (0: here)."""
     if workers <= 0:
-        return [_score(i) for i in items]
+        return [fn(i) for i in items]
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     ctx = mp.get_context("fork")
-    with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx) as pool:
-        return list(pool.map(_score, items, chunksize=2))
+    with ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx,
+                             initializer=_one_thread) as pool:
+        return list(pool.map(fn, items, chunksize=2))
+
+
+def score_all(prompts: list[str], clips: list[np.ndarray], workers: int) -> list[dict]:
+    """:func:`attnqat.eval.procedural.score_clip` of every clip against its prompt, in ``workers``
+    processes (0: here)."""
+    return _pool_map(_score, list(zip(prompts, clips)), workers)
+
+
+def _compare(item: tuple[np.ndarray, np.ndarray]) -> tuple[float, float]:
+    from attnqat import video as vid
+
+    return vid.psnr(*item), vid.ssim(*item)
 
 
 def summary_row(scores: list[dict]) -> dict:
@@ -103,17 +118,16 @@ def summary_row(scores: list[dict]) -> dict:
     return {k: s[k] for k in SUMMARY_KEYS}
 
 
-def similarity(clips: list[np.ndarray], reference: list[np.ndarray]) -> dict:
-    """Mean and median PSNR, mean SSIM of ``clips`` against ``reference`` (same prompts and seeds);
-    clips identical to their reference are counted, not averaged (their PSNR is infinite)."""
-    from attnqat import video as vid
-
-    ps = [vid.psnr(a, b) for a, b in zip(clips, reference)]
-    finite = [p for p in ps if math.isfinite(p)]
+def similarity(clips: list[np.ndarray], reference: list[np.ndarray], workers: int = 0) -> dict:
+    """Mean and median PSNR, mean SSIM of ``clips`` against ``reference`` (same prompts and seeds),
+    in ``workers`` processes (0: here); clips identical to their reference are counted, not
+    averaged (their PSNR is infinite)."""
+    pairs = _pool_map(_compare, list(zip(clips, reference)), workers)
+    finite = [p for p, _ in pairs if math.isfinite(p)]
     return {"psnr": float(np.mean(finite)) if finite else None,
             "psnr_median": float(np.median(finite)) if finite else None,
-            "identical": len(ps) - len(finite),
-            "ssim": float(np.mean([vid.ssim(a, b) for a, b in zip(clips, reference)]))}
+            "identical": len(pairs) - len(finite),
+            "ssim": float(np.mean([s for _, s in pairs]))}
 
 
 __all__ = ["HeldoutInputs", "SUMMARY_KEYS", "generate_clips", "inputs", "score_all", "similarity",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import sys
@@ -67,6 +68,8 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
 #: paired comparisons of the report (A, B): A's all-correct rate minus B's
 PAIRS = (("qat-nvfp4", "base-bf16"), ("qat-nvfp4", "base-nvfp4"), ("qat-nvfp4", "control-nvfp4"),
          ("base-nvfp4", "base-bf16"), ("control-nvfp4", "base-bf16"), ("base-sage3", "base-bf16"),
+         ("qat-nvfp4", "base-sage3"), ("qat-nvfp4", "qat-bf16"), ("qat-bf16", "base-bf16"),
+         ("control-bf16", "base-bf16"),
          ("dropin-nvfp4", "base-bf16"), ("p2off-nvfp4", "base-bf16"), ("p1off-nvfp4", "base-bf16"))
 ATTRS = ("colour", "shape", "motion")
 
@@ -81,19 +84,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", default=",".join(RUNS),
                         help=f"the fine-tuning runs to train and evaluate: {', '.join(RUNS)}")
     parser.add_argument("--model", default=str(TINY_MODEL_DIR), help="the base pipeline")
-    parser.add_argument("--steps", type=int, default=600, help="optimizer steps of every run")
+    parser.add_argument("--steps", type=int, default=1200, help="optimizer steps of every run")
     parser.add_argument("--batch-size", type=int, default=32, help="clips per step")
-    parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (constant)")
+    parser.add_argument("--lr", type=float, default=1e-5,
+                        help="AdamW learning rate (constant; 2e-5 for 600 steps moved the BF16 "
+                             "control 3.5 points off the base: docs/repro/v2.md)")
     parser.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
-    parser.add_argument("--ema", type=float, default=0.995, help="EMA decay of the exported weights (0: live weights)")
+    parser.add_argument("--ema", type=float, default=0.998, help="EMA decay of the exported weights (0: live weights)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data stream and the noise")
     parser.add_argument("--two-objects", type=float, default=0.8,
                         help="share of two-object clips in the training stream (the base model's "
                              "last training runs used 0.8)")
-    parser.add_argument("--eval-prompts", type=int, default=200, help="held-out prompts scored")
+    parser.add_argument("--configs", default="",
+                        help="the configurations the eval stage evaluates (comma-separated, of "
+                             f"{', '.join(CONFIGS)}; default: every one whose weights exist), e.g. "
+                             "to split them over processes sharing one GPU")
+    parser.add_argument("--eval-prompts", type=int, default=800,
+                        help="held-out prompts scored (800 give a paired interval of about ±3 "
+                             "points; with 200 it is ±5.5, wider than the ±5-point target)")
     parser.add_argument("--eval-offset", type=int, default=100,
                         help="first held-out prompt (0-99 chose the base model's checkpoint)")
-    parser.add_argument("--eval-batch", type=int, default=50, help="prompts denoised together")
+    parser.add_argument("--eval-batch", type=int, default=200, help="prompts denoised together")
     parser.add_argument("--eval-backend", choices=("auto", "torch", "triton"), default="auto",
                         help="attention kernels at inference")
     parser.add_argument("--workers", type=int, default=8,
@@ -200,7 +211,8 @@ def stage_eval(args, runs: list[str]) -> int:
 
     folder = args.work / "eval"
     folder.mkdir(parents=True, exist_ok=True)
-    todo = [c for c, (w, _, _) in CONFIGS.items() if (w == "base" or w in runs)
+    wanted = [c.strip() for c in args.configs.split(",") if c.strip()] or list(CONFIGS)
+    todo = [c for c, (w, _, _) in CONFIGS.items() if c in wanted and (w == "base" or w in runs)
             and not (folder / f"{c}.json").is_file()]
     missing = [c for c in todo if CONFIGS[c][0] != "base"
                and not (args.work / "export" / CONFIGS[c][0] / "attnqat.json").is_file()]
@@ -212,10 +224,7 @@ def stage_eval(args, runs: list[str]) -> int:
         return 0
     models = load_models(args.model, device=args.device)
     inp = heldout.inputs(models, args.eval_offset, args.eval_prompts, backend=args.eval_backend)
-    t0 = time.perf_counter()
-    base_bf16 = heldout.generate_clips(models, models.pipe.transformer, inp, "bf16",
-                                       args.eval_backend, args.eval_batch)
-    log(f"base BF16 reference clips: {len(base_bf16)} in {time.perf_counter() - t0:.1f} s")
+    base_bf16 = _base_reference(args, models, inp)
     cfg = dict(models.pipe.transformer.config)
     for c in todo:
         weights, method, _ = CONFIGS[c]
@@ -236,7 +245,7 @@ def stage_eval(args, runs: list[str]) -> int:
                "settings": {k: getattr(inp.settings[0], k) for k in
                             ("steps", "guidance", "shift", "height", "width", "frames")},
                "summary": heldout.summary_row(scores),
-               "similarity_to_base_bf16": None if c == "base-bf16" else heldout.similarity(clips, base_bf16),
+               "similarity_to_base_bf16": None if c == "base-bf16" else heldout.similarity(clips, base_bf16, args.workers),
                "clips": [_clip_record(s) for s in scores],
                "generate_s": round(t2 - t1, 1), "score_s": round(time.perf_counter() - t2, 1)}
         if weights != "base":
@@ -247,6 +256,33 @@ def stage_eval(args, runs: list[str]) -> int:
         if weights != "base":
             del tr
     return 0
+
+
+def _base_reference(args, models, inp) -> list[np.ndarray]:
+    """The base model's BF16 clips of the held-out prompts (what every configuration's PSNR/SSIM is
+    measured against), generated once per work folder, model and prompt range and kept in
+    ``WORK/cache`` (``*.npy``, uint8), so that later calls and parallel eval processes load them."""
+    from . import heldout
+
+    import hashlib
+
+    model = hashlib.sha1(str(Path(args.model).resolve()).encode()).hexdigest()[:8]
+    cache = args.work / "cache" / (f"base-bf16-{args.eval_offset}-{args.eval_prompts}-"
+                                   f"{args.eval_backend}-{model}.npy")
+    if cache.is_file():
+        clips = list(np.load(cache))
+        log(f"base BF16 reference clips: {len(clips)} from {cache}")
+        return clips
+    t0 = time.perf_counter()
+    clips = heldout.generate_clips(models, models.pipe.transformer, inp, "bf16",
+                                   args.eval_backend, args.eval_batch)
+    log(f"base BF16 reference clips: {len(clips)} in {time.perf_counter() - t0:.1f} s")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:          # np.save on a path would append ".npy" to the temp name
+        np.save(f, np.stack(clips))
+    tmp.replace(cache)
+    return clips
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,6 +313,11 @@ def paired(a: list[bool], b: list[bool], n_boot: int = 10000, seed: int = 0) -> 
     return {"diff": float(x.mean() - y.mean()), "lo": float(np.quantile(boot, 0.025)),
             "hi": float(np.quantile(boot, 0.975)), "only_a": only_a, "only_b": only_b, "p": p,
             "n": len(x)}
+
+
+def _p(p: float, eq: str = "") -> str:
+    """A p-value as the report prints it: three decimals, or "< 0.001"."""
+    return "< 0.001" if p < 0.001 else f"{eq}{p:.3f}"
 
 
 def _stability(recs: list[dict], clip: float) -> dict:
@@ -356,24 +397,24 @@ def stage_report(args, runs: list[str], command: str) -> int:
             verdicts[(a, b)] = pr
             lines.append(f"| {CONFIGS[a][2]} | {CONFIGS[b][2]} | {100 * pr['diff']:+.1f} | "
                          f"[{100 * pr['lo']:+.1f}, {100 * pr['hi']:+.1f}] | {pr['only_a']} | "
-                         f"{pr['only_b']} | {pr['p']:.3f} |")
+                         f"{pr['only_b']} | {_p(pr['p'])} |")
     lines += ["", "## Against the target", ""]
     q = verdicts.get(("qat-nvfp4", "base-bf16"))
     if q is not None:
         within = -0.05 <= q["lo"] and q["hi"] <= 0.05
         lines.append(f"- QAT-NVFP4 against base-BF16: {100 * q['diff']:+.1f} points "
-                     f"[{100 * q['lo']:+.1f}, {100 * q['hi']:+.1f}], McNemar p = {q['p']:.3f}: the test "
+                     f"[{100 * q['lo']:+.1f}, {100 * q['hi']:+.1f}], McNemar p {_p(q['p'], '= ')}: the test "
                      f"{'does not reject' if q['p'] >= 0.05 else 'rejects'} equality; the interval "
                      f"{'lies' if within else 'does not lie'} within ±5 points.")
     q2 = verdicts.get(("qat-nvfp4", "base-nvfp4"))
     if q2 is not None:
         lines.append(f"- QAT-NVFP4 against base-NVFP4: {100 * q2['diff']:+.1f} points "
-                     f"[{100 * q2['lo']:+.1f}, {100 * q2['hi']:+.1f}], p = {q2['p']:.3f}.")
+                     f"[{100 * q2['lo']:+.1f}, {100 * q2['hi']:+.1f}], p {_p(q2['p'], '= ')}.")
     q3 = verdicts.get(("qat-nvfp4", "control-nvfp4"))
     if q3 is not None:
         lines.append(f"- QAT-NVFP4 against the BF16 control with NVFP4 attention (what the extra "
                      f"training alone gives): {100 * q3['diff']:+.1f} points "
-                     f"[{100 * q3['lo']:+.1f}, {100 * q3['hi']:+.1f}], p = {q3['p']:.3f}.")
+                     f"[{100 * q3['lo']:+.1f}, {100 * q3['hi']:+.1f}], p {_p(q3['p'], '= ')}.")
     if run_dirs:
         curves = figs / "repro_curves.png"
         plot_runs(list(run_dirs.values()), curves, labels=[RUNS[r][2] for r in run_dirs], smooth=25,
@@ -466,10 +507,13 @@ def command_line(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
-    bad = [s for s in stages if s not in STAGES] + [r for r in runs if r not in RUNS]
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    bad = ([s for s in stages if s not in STAGES] + [r for r in runs if r not in RUNS]
+           + [c for c in configs if c not in CONFIGS])
     if bad:
-        print(f"attnqat repro: unknown stage(s) or run(s) {', '.join(bad)}; stages: "
-              f"{', '.join(STAGES)}; runs: {', '.join(RUNS)}", file=sys.stderr)
+        print(f"attnqat repro: unknown stage(s), run(s) or configuration(s) {', '.join(bad)}; "
+              f"stages: {', '.join(STAGES)}; runs: {', '.join(RUNS)}; configurations: "
+              f"{', '.join(CONFIGS)}", file=sys.stderr)
         return 2
     if args.steps < 1 or args.batch_size < 1 or args.eval_prompts < 1 or args.eval_offset < 0:
         print("attnqat repro: --steps, --batch-size and --eval-prompts must be >= 1, --eval-offset >= 0",

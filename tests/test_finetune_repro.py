@@ -58,3 +58,14 @@ def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     before = (work / "eval" / "qat-nvfp4.json").stat().st_mtime_ns
     assert R.main([*args, "--stages", "train,eval"]) == 0
     assert (work / "eval" / "qat-nvfp4.json").stat().st_mtime_ns == before
+    # --configs evaluates only the named configurations, against the cached base BF16 clips
+    (work / "eval" / "base-sage3.json").unlink()
+    (work / "eval" / "control-nvfp4.json").unlink()
+    cached = sorted((work / "cache").glob("base-bf16-5-3-*.npy"))
+    assert len(cached) == 1
+    stamp = cached[0].stat().st_mtime_ns
+    assert R.main([*args, "--stages", "eval", "--configs", "base-sage3"]) == 0
+    assert (work / "eval" / "base-sage3.json").is_file()
+    assert not (work / "eval" / "control-nvfp4.json").exists()
+    assert cached[0].stat().st_mtime_ns == stamp
+    assert R.main([*args, "--stages", "eval", "--configs", "base-sage3,nonsense"]) == 2
