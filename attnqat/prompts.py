@@ -3,8 +3,8 @@
 The embedded tiny model was trained on the synthetic shapes captions only (``attnqat.synthetic``):
 asked "a red fox trots across a snowy meadow" it can only draw a plain field. Its prompts are
 therefore held-out synthetic captions — colour × shape × motion triples it never saw in training,
-so they test it fairly — namely the evaluation prompts 100–299 of ``attnqat repro`` and
-``attnqat finetune tiny --stages eval`` (0–99 chose the shipped checkpoint). A real Wan 2.1 model
+so they test it fairly — namely the first 200 evaluation prompts of ``attnqat repro`` (it scores
+100–899) and those of ``attnqat finetune tiny --stages eval`` (0–99 chose the shipped checkpoint). A real Wan 2.1 model
 gets the project's natural-language list, ``assets/prompts.txt``.
 """
 
