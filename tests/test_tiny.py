@@ -73,7 +73,7 @@ def test_shipped_assets_match_their_description():
     qat = load_file(str(tiny.TINY_QAT_DIR / "diffusion_pytorch_model.safetensors"))
     assert qat_side["weights"] == "attnqat-finetuned"   # shipped by `attnqat repro --stages ship`
     assert qat_side["training"]["attention"] == "attnqat" and qat_side["training"]["ablation"] is None
-    assert qat_side["training"]["steps"] == 600 and "docs/repro.md" in qat_side["qat_weights_note"]
+    assert qat_side["training"]["steps"] == 1200 and "docs/repro.md" in qat_side["qat_weights_note"]
     assert base.keys() == qat.keys() and not all(torch.equal(base[k], qat[k]) for k in base)
     assert {k: v.dtype for k, v in base.items()} == {k: v.dtype for k, v in qat.items()}
     if side.get("weights") == "random-init":
