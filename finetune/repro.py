@@ -31,6 +31,7 @@ Stages (``--stages``, any subset, in this order; each continues what an earlier 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shlex
@@ -263,8 +264,6 @@ def _base_reference(args, models, inp) -> list[np.ndarray]:
     measured against), generated once per work folder, model and prompt range and kept in
     ``WORK/cache`` (``*.npy``, uint8), so that later calls and parallel eval processes load them."""
     from . import heldout
-
-    import hashlib
 
     model = hashlib.sha1(str(Path(args.model).resolve()).encode()).hexdigest()[:8]
     cache = args.work / "cache" / (f"base-bf16-{args.eval_offset}-{args.eval_prompts}-"
