@@ -29,7 +29,6 @@ from . import checkpoint as ckpt
 from .runlog import now
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run", type=Path,
                         help="a run folder (its latest checkpoint) or one checkpoint folder")

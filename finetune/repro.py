@@ -126,8 +126,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the ship stage puts the Attn-QAT transformer")
 
 
-
-
 def log(msg: str) -> None:
     print(f"[repro] {msg}", flush=True)
 
@@ -299,7 +297,7 @@ def paired(a: list[bool], b: list[bool], n_boot: int = 10000, seed: int = 0) -> 
     """All-correct of A against B on the same prompts and seeds: the difference of the rates,
     its 95 % paired-bootstrap interval (resampling prompts), and the exact McNemar test (two-sided
     binomial test of the discordant pairs)."""
-    from scipy.stats import binomtest
+    from attnqat.eval.stats import sign_test
 
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if x.shape != y.shape or not len(x):
@@ -308,7 +306,7 @@ def paired(a: list[bool], b: list[bool], n_boot: int = 10000, seed: int = 0) -> 
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(x), size=(n_boot, len(x)))
     boot = (x[idx] - y[idx]).mean(axis=1)
-    p = float(binomtest(only_a, only_a + only_b, 0.5).pvalue) if only_a + only_b else 1.0
+    p = sign_test(only_a, only_b) if only_a + only_b else 1.0   # McNemar = sign test of the discordant
     return {"diff": float(x.mean() - y.mean()), "lo": float(np.quantile(boot, 0.025)),
             "hi": float(np.quantile(boot, 0.975)), "only_a": only_a, "only_b": only_b, "p": p,
             "n": len(x)}

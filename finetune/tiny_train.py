@@ -235,8 +235,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # Small helpers
 
 
-
-
 class Clock:
     """Seconds since the process started its work, and the process-wide deadline."""
 
@@ -1061,8 +1059,6 @@ def format_table(result: dict) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # The command
-
-
 
 
 def _refuse(message: str) -> int:

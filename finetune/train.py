@@ -599,10 +599,6 @@ class Validator:
 # The loop
 
 
-
-
-
-
 def _peak_memory(dev: torch.device) -> float:
     if dev.type == "cuda":
         return torch.cuda.max_memory_allocated(dev) / 2**30
