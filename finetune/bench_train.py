@@ -24,11 +24,12 @@ import json
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .runlog import now
 
 METHODS = ("bf16", "attnqat", "dropin")
 
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
                    "height": h, "width": w, "frames": args.frames, "batch_per_gpu": 1,
                    "gpus": ctx.world, "warmup": args.warmup, "steps": args.steps,
                    "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
-                   "versions": versions(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   "versions": versions(), "date": now(),
                    "rows": rows}
             if args.json is not None:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
