@@ -23,7 +23,8 @@ from urllib.parse import quote
 
 from attnqat.generate import METHOD_LABELS
 
-from .service import METHOD_NOTES, QAT_NOTE_BASE_COPY, QAT_NOTE_FINE_TUNED
+from .service import describe_errors
+from .service import method_note as _method_note
 
 STATIC = Path(__file__).resolve().parent / "static"
 FILE_ROUTE = "gradio_api/file="  # relative: works when the app is mounted below a path
@@ -104,10 +105,9 @@ def method_label(record: dict[str, Any], method: str) -> str:
 
 
 def method_note(record: dict[str, Any], method: str) -> str:
-    if method == "attnqat":
-        qat = record.get("qat") or {}
-        return QAT_NOTE_FINE_TUNED if qat.get("fine_tuned") else QAT_NOTE_BASE_COPY
-    return METHOD_NOTES.get(method, "")
+    """The line under the method's name, as the record's ``qat`` says
+    (:func:`app.service.method_note`)."""
+    return _method_note(method, record.get("qat"))
 
 
 def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tuple[str, str, str]]:
@@ -281,10 +281,8 @@ def render_queued() -> str:
 def render_plan(settings, service, errors: dict[str, str] | None = None) -> str:
     """What a press of Generate will run with the inputs as they are now (``settings`` from
     :meth:`AppService.check`), or what is wrong with them."""
-    from .service import FIELD_NAMES
-
     if settings is None:
-        items = "; ".join(f"{FIELD_NAMES.get(k, k)}: {v}" for k, v in (errors or {}).items())
+        items = describe_errors(errors or {})
         return f'<div class="aq-plan aq-sub"><b>Will not run:</b> {_esc(items)}</div>'
     calls = settings.transformer_calls_per_method
     cfg = (f"guidance {settings.guidance:g}: 2 transformer calls per step"
@@ -312,7 +310,7 @@ def render_error(message: str, title: str = "Generation failed") -> str:
 
 
 def render_input_errors(errors: dict[str, str]) -> str:
-    """Invalid inputs, one line per field (``errors`` as in :class:`InputError`)."""
+    """Invalid inputs, one line per field (``errors`` as in :class:`~attnqat.generate.InvalidInput`)."""
     from .service import FIELD_NAMES
 
     items = "".join(f"<li><b>{_esc(FIELD_NAMES.get(k, k))}</b>: {_esc(v)}</li>"

@@ -52,6 +52,15 @@ METHOD_NOTES = {"bf16": "reference: attention without quantization",
 QAT_NOTE_FINE_TUNED = "4-bit attention in the model fine-tuned with Attn-QAT"
 QAT_NOTE_BASE_COPY = "4-bit attention on a copy of the base weights: the same clip as NVFP4"
 
+
+def method_note(method: str, qat_info: dict[str, Any] | None = None) -> str:
+    """One line under the method's name (Attn-QAT's by whether ``qat_info`` — the loaded weights'
+    :attr:`~attnqat.wan.WanModels.qat_info` or a record's ``qat`` — says they are fine-tuned)."""
+    if method == "attnqat":
+        return QAT_NOTE_FINE_TUNED if (qat_info or {}).get("fine_tuned") else QAT_NOTE_BASE_COPY
+    return METHOD_NOTES.get(method, "")
+
+
 #: Inputs of a generation, in the order of the API endpoint's parameters.
 FIELDS = ("prompt", "methods", "seed", "steps", "guidance", "shift", "resolution", "frames",
           "negative_prompt", "fp4_scope")
@@ -256,9 +265,10 @@ class Progress:
                     "eta_s": self._eta_locked(now), "fraction": units / total if total else 0.0,
                     "current": self.current, "methods": per}
 
-    def describe(self) -> str:
-        """One line for a progress bar: ``"NVFP4 · step 7/20"``."""
-        snap = self.snapshot()
+    def describe(self, snap: dict[str, Any] | None = None) -> str:
+        """One line for a progress bar: ``"NVFP4 · step 7/20"`` (of ``snap``, a :meth:`snapshot`
+        already taken, or of a new one)."""
+        snap = self.snapshot() if snap is None else snap
         if snap["phase"] == "waiting":
             return "waiting for the previous generation to finish"
         if snap["phase"] == "text":
@@ -368,10 +378,7 @@ class AppService:
 
     def note(self, method: str) -> str:
         """One line under the method's name."""
-        if method == "attnqat":
-            info = self.models.qat_info or {}
-            return QAT_NOTE_FINE_TUNED if info.get("fine_tuned") else QAT_NOTE_BASE_COPY
-        return METHOD_NOTES[method]
+        return method_note(method, self.models.qat_info)
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -592,4 +599,5 @@ def load_service(model: str | None = None, *, qat_transformer: str | None = "aut
 
 __all__ = ["APP_LIMITS", "AppService", "FAULT_ENV", "FIELDS", "FIELD_NAMES", "Fault",
            "GenerationCancelled", "GenerationFailed", "METHOD_NOTES", "Progress", "RunOutput",
-           "describe_errors", "load_service", "page_errors", "parse_resolution", "size_text"]
+           "describe_errors", "load_service", "method_note", "page_errors", "parse_resolution",
+           "size_text"]

@@ -123,11 +123,11 @@ class _Throttle:
         self.fn, self.every, self.last, self.text = fn, every, 0.0, None
 
     def __call__(self, progress) -> None:
-        text = progress.describe()
+        snap = progress.snapshot()
+        text = progress.describe(snap)
         now = time.monotonic()
         if text != self.text or now - self.last >= self.every:
             self.text, self.last = text, now
-            snap = progress.snapshot()
             eta = snap["eta_s"]
             self.fn(snap["fraction"], desc=text if eta is None else f"{text} · about {eta:.0f} s left")
 
@@ -324,13 +324,15 @@ def build_app(service: AppService, *, queue_size: int = 8) -> gr.Blocks:
             worker = threading.Thread(target=work, name="attnqat-app-generate", daemon=True)
             worker.start()
             try:
-                yield (render_progress(progress.snapshot(), progress.describe()), "",
+                snap = progress.snapshot()
+                yield (render_progress(snap, progress.describe(snap)), "",
                        gr.update(value=None, visible=False), gr.update(value=None),
                        gr.update(visible=False), gr.skip(), gr.update(visible=False), None)
                 while worker.is_alive():
                     worker.join(POLL_S)
                     if worker.is_alive():
-                        yield (render_progress(progress.snapshot(), progress.describe()),
+                        snap = progress.snapshot()
+                        yield (render_progress(snap, progress.describe(snap)),
                                *[gr.skip()] * (len(ui_outputs) - 1))
             finally:
                 if worker.is_alive():  # Stop, or the page went away: stop at the next step
@@ -345,7 +347,7 @@ def build_app(service: AppService, *, queue_size: int = 8) -> gr.Blocks:
             out: RunOutput = box["out"]
             view = to_view(out, blind_v)
             player_html, files_u, record_u, box_u, reveal_u = view_outputs(view)
-            yield (render_summary(out.record.to_dict(), out.seconds, skip_notes=startup_notes),
+            yield (render_summary(view.record, out.seconds, skip_notes=startup_notes),
                    player_html, files_u, record_u, box_u, str(out.record.seed), reveal_u, view)
 
         def set_blind(blind_v, view: ResultView | None):

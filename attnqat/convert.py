@@ -123,13 +123,15 @@ class CheckpointError(ValueError):
 @dataclass
 class CheckpointInfo:
     """How a checkpoint was read: its ``path``, the naming ``scheme`` detected, the ``prefix``
-    stripped from every key ('' if none), the tensor count and the folder's note, if any."""
+    stripped from every key ('' if none), the tensor count, the folder's note, if any, and what
+    its ``attnqat.json`` says the weights are (``weights``, e.g. ``"copy-of-base"``), if it says."""
 
     path: str
     scheme: str
     prefix: str
     tensors: int
     note: str | None = None
+    weights: str | None = None
 
 
 def _rename(name: str, rules) -> str:
@@ -411,16 +413,17 @@ def load_wan_transformer(path: str | Path, *, config: Mapping[str, Any] | None =
     model.load_state_dict(ready, strict=True, assign=True)
     model.to(device)
     model.eval()
-    note = None
+    note = weights = None
     sidecar = p / "attnqat.json" if p.is_dir() else None
     if sidecar is not None and sidecar.is_file():
         try:
             meta = json.loads(sidecar.read_text())
             note = meta.get("qat_weights_note") or meta.get("weights_note")
+            weights = meta.get("weights")
         except (OSError, json.JSONDecodeError) as exc:
             raise CheckpointError(f"cannot read {sidecar}: {exc}") from exc
     return model, CheckpointInfo(path=str(p.resolve()), scheme=scheme, prefix=prefix,
-                                 tensors=len(raw), note=note)
+                                 tensors=len(raw), note=note, weights=weights)
 
 
 __all__ = ["CheckpointError", "CheckpointInfo", "KNOWN_PREFIXES", "SCHEMES", "check_state_dict",

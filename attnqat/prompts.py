@@ -23,13 +23,19 @@ def natural_prompts() -> list[str]:
     return list(dict.fromkeys(line.strip() for line in text.splitlines() if line.strip()))
 
 
+def _info(model):
+    """``model`` (folder, hub id, :class:`attnqat.wan.ModelInfo` or None: the embedded tiny model)
+    as its :class:`~attnqat.wan.ModelInfo`."""
+    from .wan import DEFAULT_MODEL, ModelInfo, model_info
+
+    return model if isinstance(model, ModelInfo) else model_info(model if model is not None else DEFAULT_MODEL)
+
+
 def model_prompts(model=None) -> list[str]:
     """The prompts that fit ``model`` (a model folder, hub id or :class:`attnqat.wan.ModelInfo`;
     default: the embedded tiny model): held-out synthetic captions for a tiny-wan model, the
     natural-language list otherwise."""
-    from .wan import DEFAULT_MODEL, ModelInfo, model_info
-
-    info = model if isinstance(model, ModelInfo) else model_info(model if model is not None else DEFAULT_MODEL)
+    info = _info(model)
     if info.kind == "tiny-wan":
         from .synthetic import heldout_prompts
 
@@ -39,9 +45,7 @@ def model_prompts(model=None) -> list[str]:
 
 def prompt_list_name(model=None) -> str:
     """Where :func:`model_prompts` takes its prompts from, in words."""
-    from .wan import DEFAULT_MODEL, ModelInfo, model_info
-
-    info = model if isinstance(model, ModelInfo) else model_info(model if model is not None else DEFAULT_MODEL)
+    info = _info(model)
     if info.kind == "tiny-wan":
         return (f"held-out synthetic captions {TINY_PROMPTS.start}-{TINY_PROMPTS.stop - 1} "
                 "(what the tiny model was trained to draw, in combinations it never saw)")

@@ -636,15 +636,6 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     return all(sa[k].shape == sb[k].shape and torch.equal(sa[k], sb[k].to(sa[k].device)) for k in sa)
 
 
-def _sidecar_of(checkpoint: Path) -> dict[str, Any]:
-    """The ``attnqat.json`` beside a checkpoint folder ({} for a file or a folder without one;
-    :func:`attnqat.convert.load_wan_transformer` has already reported an unreadable one)."""
-    try:
-        return json.loads((checkpoint / SIDECAR).read_text()) if checkpoint.is_dir() else {}
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
 #: The Attn-QAT method's name on the page and in summaries, by what its weights are.
 QAT_LABEL_FINE_TUNED = "Attn-QAT fine-tuned"
 QAT_LABEL_BASE_COPY = "Attn-QAT (base weights copy — not fine-tuned)"
@@ -707,7 +698,7 @@ def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Pat
             note = ("the Attn-QAT transformer's weights are identical to the base transformer's: "
                     "no QAT fine-tuning has been applied, so the attnqat clip is plain NVFP4 "
                     "attention on the base model (the same clip as nvfp4)")
-        kind = _sidecar_of(qat_path).get("weights")
+        kind = ckpt.weights  # what the folder's attnqat.json says they are, if it says
         # weights without a record (e.g. a published checkpoint) count as Attn-QAT fine-tuned
         # when they differ from the base; a record that says otherwise is believed
         fine_tuned = not identical and kind != "copy-of-base" and kind not in QAT_LABEL_NOT_ATTNQAT
