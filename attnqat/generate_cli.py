@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the base model), sage3 (SageAttention3's recipe), attnqat (the Attn-QAT "
                              "transformer with NVFP4 attention)")
     parser.add_argument("--seed", type=int, default=-1,
-                        help="seed of the initial noise, shared by all methods: 0 to {MAX_SEED}, or -1 "
+                        help=f"seed of the initial noise, shared by all methods: 0 to {MAX_SEED}, or -1 "
                              "for a random one (printed and recorded), as in the app")
     parser.add_argument("--steps", type=int, default=None,
                         help="denoising steps (None: the model's default; tiny 20, Wan 50)")
