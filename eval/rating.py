@@ -302,16 +302,18 @@ def stage(session: Session, rater: Rater) -> str:
     return "rating" if p["done"] < p["total"] else "done"
 
 
-def _reopen_inactive(session: Session, rater: Rater) -> None:
+def _reopen_inactive(session: Session, rater: Rater) -> int:
     """A rater back after their queue was released for inactivity gets back the items nobody
-    else took (every practice and check item, main items still short of their ratings)."""
+    else took (every practice and check item, main items still short of their ratings); returns
+    how many."""
     released = list(session.scalars(
         select(Assignment).where(Assignment.rater_id == rater.id,
                                  Assignment.release_reason == "inactive")
         .order_by(Assignment.position)))
     if not released:
-        return
+        return 0
     counts = _assignment_counts(session, rater.study_id)
+    reopened = 0
     for a in released:
         item = a.item
         if item.excluded:
@@ -321,6 +323,8 @@ def _reopen_inactive(session: Session, rater: Rater) -> None:
         a.released_at, a.release_reason = None, None
         n, left = counts.get(item.id, (0, 0))
         counts[item.id] = (n + 1, left)
+        reopened += 1
+    return reopened
 
 
 def _first_open(session: Session, rater: Rater) -> Assignment | None:
@@ -328,28 +332,34 @@ def _first_open(session: Session, rater: Rater) -> Assignment | None:
                           .order_by(Assignment.position).limit(1))
 
 
-def _resume(session: Session, rater: Rater) -> None:
-    """Nothing open any more? Take back what was released while the rater was away."""
-    if _first_open(session, rater) is None:
-        _reopen_inactive(session, rater)
+def _resume(session: Session, rater: Rater) -> Assignment | None:
+    """The rater's first open assignment; when nothing is open any more, first take back what
+    was released while the rater was away."""
+    first = _first_open(session, rater)
+    if first is None:
+        reopened = _reopen_inactive(session, rater)
         session.flush()
+        if reopened:
+            first = _first_open(session, rater)
+    return first
 
 
 def current(session: Session, rater: Rater) -> Assignment | None:
     """The rater's first open assignment (marked shown now if it never was), or None."""
     if rater.started_at is None:
         raise NotStarted("read the instructions first")
-    _resume(session, rater)
-    assignment = _first_open(session, rater)
+    assignment = _resume(session, rater)
     if assignment is not None and assignment.shown_at is None:
         assignment.shown_at = utcnow()
     return assignment
 
 
-def served_media(session: Session, assignment: Assignment) -> dict[str, Any]:
+def served_media(session: Session, assignment: Assignment, media_dir: Path | None = None
+                 ) -> dict[str, Any]:
     """What the page plays for an assignment: ``{"video": url}`` (one side-by-side file) or, in a
     study built before side-by-side serving, ``{"left": url, "right": url}``; and the seconds one
-    play-through takes (None when unknown)."""
+    play-through takes (``duration``; in such an older study the longer of its two clips, read
+    once from the files in ``media_dir``; None when unknown)."""
     video = session.scalar(select(Video).where(Video.item_id == assignment.item_id,
                                                Video.a_on_left == assignment.a_on_left))
     if video is not None:
@@ -357,7 +367,7 @@ def served_media(session: Session, assignment: Assignment) -> dict[str, Any]:
     item = assignment.item
     left, right = ((item.clip_a, item.clip_b) if assignment.a_on_left else (item.clip_b, item.clip_a))
     return {"left": f"/media/{left.token}.mp4", "right": f"/media/{right.token}.mp4",
-            "duration": None}
+            "duration": _legacy_seconds((left, right), media_dir)}
 
 
 def resolve(side: str, a_on_left: bool) -> str:
@@ -367,12 +377,17 @@ def resolve(side: str, a_on_left: bool) -> str:
     return "a" if (side == "left") == a_on_left else "b"
 
 
-def _own_open_assignment(session: Session, rater: Rater, assignment_token: str) -> Assignment:
+def _own_unvoted_assignment(session: Session, rater: Rater, assignment_token: str) -> Assignment:
     assignment = session.scalar(select(Assignment).where(Assignment.token == assignment_token))
     if assignment is None or assignment.rater_id != rater.id:
         raise NotAssigned("this item is not assigned to you")
     if session.scalar(select(Vote.id).where(Vote.assignment_id == assignment.id)) is not None:
         raise AlreadyVoted("this item already has your vote")
+    return assignment
+
+
+def _own_open_assignment(session: Session, rater: Rater, assignment_token: str) -> Assignment:
+    assignment = _own_unvoted_assignment(session, rater, assignment_token)
     if assignment.released_at is not None:
         raise Released("this item is no longer in your queue; reload the page to continue")
     if assignment.shown_at is None:
@@ -437,24 +452,25 @@ def record_vote(session: Session, rater: Rater, assignment_token: str, overall: 
     return vote
 
 
+def play_seconds(session: Session, assignment: Assignment, media_dir: Path | None = None
+                 ) -> float | None:
+    """Seconds one play-through of an assignment's pair takes (see :func:`served_media`)."""
+    return served_media(session, assignment, media_dir)["duration"]
+
+
 _LEGACY_DURATIONS: dict[Path, float] = {}
 
 
-def play_seconds(session: Session, assignment: Assignment, media_dir: Path | None = None
-                 ) -> float | None:
-    """Seconds one play-through of an assignment's pair takes. In a study built before
-    side-by-side serving, the longer of its two clips, read once from the files in
-    ``media_dir`` (None when that is not given or the files cannot be read)."""
-    info = served_media(session, assignment)
-    if info["duration"] is not None:
-        return float(info["duration"])
+def _legacy_seconds(clips: tuple[Clip, Clip], media_dir: Path | None) -> float | None:
+    """The longer of two separately served clips, probed once per file (None when ``media_dir``
+    is not given or the files cannot be read)."""
     if media_dir is None:
         return None
     from . import media  # only legacy studies need to probe files
 
     seconds = []
-    for clip_id in (assignment.item.clip_a_id, assignment.item.clip_b_id):
-        path = Path(media_dir) / f"{session.get(Clip, clip_id).token}.mp4"
+    for clip in clips:
+        path = Path(media_dir) / f"{clip.token}.mp4"
         if path not in _LEGACY_DURATIONS:
             try:
                 _LEGACY_DURATIONS[path] = media.probe(path).duration
@@ -470,11 +486,7 @@ def report_problem(session: Session, rater: Rater, assignment_token: str, reason
     for the organiser and the assignment is released, so the rater moves on."""
     if reason not in REPORT_REASONS:
         raise InvalidVote(f"reason must be one of {', '.join(REPORT_REASONS)}")
-    assignment = session.scalar(select(Assignment).where(Assignment.token == assignment_token))
-    if assignment is None or assignment.rater_id != rater.id:
-        raise NotAssigned("this item is not assigned to you")
-    if session.scalar(select(Vote.id).where(Vote.assignment_id == assignment.id)) is not None:
-        raise AlreadyVoted("this item already has your vote")
+    assignment = _own_unvoted_assignment(session, rater, assignment_token)
     report = Report(study_id=rater.study_id, assignment_id=assignment.id, rater_id=rater.id,
                     item_id=assignment.item_id, reason=reason, comment=_clean_comment(comment))
     session.add(report)

@@ -94,11 +94,11 @@ def _pct(x: float | None) -> str:
     return NO_DATA if _missing(x) else f"{100 * x:.1f}%"
 
 
-def _ci(ci: Sequence[float]) -> str:
+def _ci(ci: Sequence[float], fmt: str = ".1f", unit: str = "") -> str:
     lo, hi = ci
     if _missing(lo) or _missing(hi):
         return NO_DATA
-    return f"[{100 * lo:.1f}, {100 * hi:.1f}]"
+    return f"[{100 * lo:{fmt}}, {100 * hi:{fmt}}]{unit}"
 
 
 def _pp(x: float | None) -> str:
@@ -107,10 +107,8 @@ def _pp(x: float | None) -> str:
 
 
 def _pp_ci(ci: Sequence[float]) -> str:
-    lo, hi = ci
-    if _missing(lo) or _missing(hi):
-        return NO_DATA
-    return f"[{100 * lo:+.1f}, {100 * hi:+.1f}] pp"
+    """An interval of Δ in percentage points (see :func:`_pp`)."""
+    return _ci(ci, "+.1f", " pp")
 
 
 def _num(x: float | None, fmt: str = ".3f") -> str:

@@ -19,7 +19,7 @@ from datetime import datetime
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from . import stats
+from . import rating, stats
 from .storage import CRITERIA, Assignment, Clip, Item, Rater, Report, Video, Vote
 from .study import StudyConfig
 
@@ -270,23 +270,15 @@ def progress_tables(session: Session, study_id: int, config: StudyConfig
     times = _rater_times(votes, config.fast_vote_margin)
     raters = []
     for rater in session.scalars(select(Rater).where(Rater.study_id == study_id).order_by(Rater.id)):
-        rows = session.execute(
-            select(Item.kind, func.count(Assignment.id), func.count(Vote.id))
-            .join(Item, Item.id == Assignment.item_id)
-            .outerjoin(Vote, Vote.assignment_id == Assignment.id)
-            .where(Assignment.rater_id == rater.id,
-                   Assignment.released_at.is_(None) | Vote.id.is_not(None))
-            .group_by(Item.kind)).all()
+        p = rating.progress(session, rater)
         released = session.scalar(select(func.count(Assignment.id)).where(
             Assignment.rater_id == rater.id, Assignment.released_at.is_not(None))) or 0
-        total = sum(n for k, n, _ in rows if k != "practice")
-        done = sum(d for k, _, d in rows if k != "practice")
         s = checks.get(rater.label)
         t = times.get(rater.label, {})
         raters.append({
             "label": rater.label, "token": rater.token, "started": rater.started_at is not None,
-            "done": done, "total": total, "released": released,
-            "practice_done": sum(d for k, _, d in rows if k == "practice"),
+            "done": p["done"], "total": p["total"], "released": released,
+            "practice_done": p["practice_done"],
             "checks_answered": s.answered if s else 0,
             "check_accuracy": s.accuracy if s and s.answered else None,
             "median_view_seconds": t.get("median_view_seconds"), "fast": t.get("fast", False),

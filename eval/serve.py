@@ -255,9 +255,7 @@ def create_app(server: StudyServer) -> FastAPI:
             if assignment is None:
                 return {"done": True, "progress": rating.progress(session, rater)}
             item = assignment.item
-            shown = rating.served_media(session, assignment)
-            if shown["duration"] is None:
-                shown["duration"] = rating.play_seconds(session, assignment, media_root)
+            shown = rating.served_media(session, assignment, media_root)
             return {"done": False, "assignment": assignment.token, "prompt": item.prompt,
                     **shown, "practice": item.kind == "practice",
                     "progress": rating.progress(session, rater)}
