@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
     parser.add_argument("--ema", type=float, default=0.998, help="EMA decay of the exported weights (0: live weights)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data stream and the noise")
+    parser.add_argument("--start-from", type=Path, default=None, metavar="WORK",
+                        help="continue an earlier study: every run starts from its own export in "
+                             "WORK/export/RUN instead of the base (fresh optimizer and warm-up; use "
+                             "another --seed for fresh samples); default: the base")
     parser.add_argument("--two-objects", type=float, default=0.8,
                         help="share of two-object clips in the training stream (the base model's "
                              "last training runs used 0.8)")
@@ -148,6 +152,8 @@ def train_args(args, name: str) -> list[str]:
         a.append("--no-progress")
     if ablation:
         a += ["--ablation", ablation, "--backend", "torch"]
+    if args.start_from is not None:
+        a += ["--transformer", _shown(args.start_from / "export" / name)]
     return a
 
 
@@ -157,6 +163,12 @@ def stage_train(args, runs: list[str]) -> int:
     from .export import export
 
     t0 = time.perf_counter()
+    if args.start_from is not None:
+        missing = [str(args.start_from / "export" / r) for r in runs
+                   if not (args.start_from / "export" / r / "attnqat.json").is_file()]
+        if missing:
+            log(f"--start-from: no export in {', '.join(missing)}")
+            return 2
     for name in runs:
         out = args.work / "runs" / name
         done = ckpt.complete_checkpoints(out)
@@ -355,8 +367,11 @@ def stage_report(args, runs: list[str], command: str) -> int:
     cfg0 = None
     if run_dirs:
         cfg0 = json.loads((next(iter(run_dirs.values())) / "config.json").read_text())
+        start = (f"`{_shown(cfg0['model'])}`" if not cfg0.get("transformer") else
+                 f"each run's own earlier export (`{_shown(Path(cfg0['transformer']).parent)}/RUN`: "
+                 "a continuation with a fresh optimizer and warm-up)")
         lines += ["", f"Fine-tuning (every run the same but for the student attention): from "
-                  f"`{_shown(cfg0['model'])}`, the synthetic shapes stream (training split, seed {cfg0['seed']}, "
+                  f"{start}, the synthetic shapes stream (training split, seed {cfg0['seed']}, "
                   f"{cfg0.get('two_objects') if cfg0.get('two_objects') is not None else 0.5:.0%} two-object clips), "
                   f"{cfg0['steps']} steps of batch {cfg0['batch_size']}, AdamW lr {cfg0['lr']} "
                   f"({cfg0['schedule']}, {cfg0['warmup']} warm-up steps), weight decay "
@@ -495,7 +510,8 @@ def command_line(args: argparse.Namespace) -> str:
     a = ["--work", _shown(args.work), "--runs", args.runs, "--model", _shown(args.model), "--steps",
          str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--warmup",
          str(args.warmup), "--ema", str(args.ema), "--seed", str(args.seed), "--two-objects",
-         str(args.two_objects), "--eval-prompts",
+         str(args.two_objects)] + (["--start-from", _shown(args.start_from)] if args.start_from else []) + [
+         "--eval-prompts",
          str(args.eval_prompts), "--eval-offset", str(args.eval_offset), "--eval-batch",
          str(args.eval_batch), "--eval-backend", args.eval_backend, "--doc", _shown(args.doc)]
     return "attnqat repro " + shlex.join(a)

@@ -69,3 +69,14 @@ def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     assert not (work / "eval" / "control-nvfp4.json").exists()
     assert cached[0].stat().st_mtime_ns == stamp
     assert R.main([*args, "--stages", "eval", "--configs", "base-sage3,nonsense"]) == 2
+    # --start-from continues the study: each run starts from its own export, and the report says so
+    work2, doc2 = tmp_path / "work2", tmp_path / "docs2" / "repro.md"
+    more = [*args[:1], str(work2), *args[2:], "--start-from", str(work), "--seed", "1"]
+    more[more.index("--doc") + 1] = str(doc2)
+    assert R.main([*more, "--runs", "attnqat,dropin", "--stages", "train"]) == 2   # dropin has no export
+    assert R.main([*more, "--runs", "attnqat", "--stages", "train,eval,report",
+                   "--configs", "base-bf16,qat-nvfp4"]) == 0
+    side = json.loads((work2 / "export" / "attnqat" / "attnqat.json").read_text())
+    assert side["training"]["start_weights"] == str(work / "export" / "attnqat")
+    text = doc2.read_text()
+    assert "continuation" in text and "--transformer" in text and "--start-from" in text
