@@ -43,6 +43,13 @@ def test_two_gloo_processes_match_one_and_their_checkpoint_resumes_on_one(tmp_pa
     assert sorted(b) == [1, 2, 3]
     for s in b:
         assert b[s] == pytest.approx(a[s], rel=1e-5), (s, a[s], b[s])
+    # one process with the two processes' micro-batch, accumulated twice: the same global batch in
+    # the shapes a GPU run compares (docs/benchmarks.md, several GPUs)
+    acc = tmp_path / "accum"
+    assert T.main([*common, "--out", str(acc), "--steps", "3", "--batch-size", "2", "--grad-accum", "2"]) == 0
+    c = losses(acc)
+    for s in (1, 2, 3):
+        assert c[s] == pytest.approx(b[s], rel=1e-5), (s, b[s], c[s])
     # the two-process checkpoint continues on one process, with the same global batch
     assert T.main([*common, "--out", str(two), "--resume", "--steps", "6", "--batch-size", "4"]) == 0
     b = losses(two)
