@@ -247,10 +247,13 @@ def attn_fwd_kernel(
     H, Sq, Skv, qk_scale, n_qblk_bias,
     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     P_MODE: tl.constexpr, NEED_O2: tl.constexpr, HAS_BIAS: tl.constexpr,
-    STORE_STATS: tl.constexpr, FORMULATION: tl.constexpr,
+    STORE_STATS: tl.constexpr, FORMULATION: tl.constexpr, WARP_SPEC: tl.constexpr = False,
 ):
     """Grid: (cdiv(Sq, BM), B·H). Writes O (and O' with NEED_O2) in (B, Sq, H, D) layout and, with
-    STORE_STATS, the row log-sum-exp and row maximum in log2 units (B, H, Sq) for the backward."""
+    STORE_STATS, the row log-sum-exp and row maximum in log2 units (B, H, Sq) for the backward.
+    WARP_SPEC asks Triton to warp-specialize the key loop (``tl.range(..., warp_specialize=True)``:
+    producer warps loading tiles, consumer warps computing; same arithmetic) — a variant for
+    ``attnqat bench kernels --variants``, off by default until it is measured faster."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -291,7 +294,7 @@ def attn_fwd_kernel(
     else:
         acc2 = acc
     n_full = Skv // BN * BN
-    for start_n in range(0, n_full, BN):
+    for start_n in tl.range(0, n_full, BN, warp_specialize=WARP_SPEC):
         acc, acc2, l_i, m_i = _fwd_tile(
             acc, acc2, l_i, m_i, q, q_sc, K, Kc, Ks, V, Vc, Vs, BIAS, start_n, Skv, qk_scale,
             sks, skd, svs, svd, skcs, skss, svcs, svss, offs_d,

@@ -259,6 +259,12 @@ def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
         ("sage3 P quantizer + bias BM128/w8/s3", dict(p_mode=F.P_SAGE3, config=s3, bias=bias)),
         ("packed, dequant in regs  BM128/w8/s3", dict(p_mode=F.P_NVFP4, packed=packed, formulation=1,
                                                   config=s3), True),
+        # Triton's warp specialization of the key loop (a compile error is reported as the row)
+        ("nvfp4 warp-specialized   BM128/w8/s3", dict(p_mode=F.P_NVFP4, config=dict(s3, WARP_SPEC=True)), True),
+        ("nvfp4 warp-specialized   BM128/w4/s3", dict(p_mode=F.P_NVFP4, config=dict(s3, num_warps=4,
+                                                                                WARP_SPEC=True)), True),
+        ("nvfp4 + O' + stats, w-s  BM128/w8/s3", dict(p_mode=F.P_NVFP4, need_o2=True, store_stats=True,
+                                                  config=dict(s3, WARP_SPEC=True)), True),
     ]
     from attnqat import reference as ref  # noqa: PLC0415
     for case in cases:
