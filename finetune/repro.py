@@ -11,7 +11,8 @@ Stages (``--stages``, any subset, in this order; each continues what an earlier 
     same data (the synthetic stream, training split), seed, step budget and recipe for all, VAE
     and text encoder frozen; only the student attention differs — then exports each run
     (``attnqat finetune export``, EMA weights when ``--ema`` > 0). A run with checkpoints resumes;
-    a finished one is skipped.
+    a finished one is skipped. With ``--start-from WORK`` each run starts from its own export of an
+    earlier study instead of the base (a continuation: fresh optimizer state and warm-up).
 ``eval``
     Generates one clip per held-out prompt (``--eval-offset`` … ``+ --eval-prompts``; prompt ``i``
     with seed ``i``; prompts the runs never chose anything with) for every configuration of
@@ -510,10 +511,11 @@ def command_line(args: argparse.Namespace) -> str:
     a = ["--work", _shown(args.work), "--runs", args.runs, "--model", _shown(args.model), "--steps",
          str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr), "--warmup",
          str(args.warmup), "--ema", str(args.ema), "--seed", str(args.seed), "--two-objects",
-         str(args.two_objects)] + (["--start-from", _shown(args.start_from)] if args.start_from else []) + [
-         "--eval-prompts",
-         str(args.eval_prompts), "--eval-offset", str(args.eval_offset), "--eval-batch",
-         str(args.eval_batch), "--eval-backend", args.eval_backend, "--doc", _shown(args.doc)]
+         str(args.two_objects)]
+    if args.start_from is not None:
+        a += ["--start-from", _shown(args.start_from)]
+    a += ["--eval-prompts", str(args.eval_prompts), "--eval-offset", str(args.eval_offset),
+          "--eval-batch", str(args.eval_batch), "--eval-backend", args.eval_backend, "--doc", _shown(args.doc)]
     return "attnqat repro " + shlex.join(a)
 
 
