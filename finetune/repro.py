@@ -97,7 +97,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--start-from", type=Path, default=None, metavar="WORK",
                         help="continue an earlier study: every run starts from its own export in "
                              "WORK/export/RUN instead of the base (fresh optimizer and warm-up; use "
-                             "another --seed for fresh samples); default: the base")
+                             "another --seed for fresh samples); unset: from the base")
+    parser.add_argument("--size", type=int, default=None,
+                        help="clip height and width, a multiple of 16, for training and evaluation "
+                             "alike (more tokens per clip: 4-bit attention loses more); unset: "
+                             "the model's")
+    parser.add_argument("--frames", type=int, default=None,
+                        help="frames per clip, 4k+1, for training and evaluation; unset: the model's")
     parser.add_argument("--two-objects", type=float, default=0.8,
                         help="share of two-object clips in the training stream (the base model's "
                              "last training runs used 0.8)")
@@ -155,6 +161,10 @@ def train_args(args, name: str) -> list[str]:
         a += ["--ablation", ablation, "--backend", "torch"]
     if args.start_from is not None:
         a += ["--transformer", _shown(args.start_from / "export" / name)]
+    if args.size is not None:
+        a += ["--height", str(args.size), "--width", str(args.size)]
+    if args.frames is not None:
+        a += ["--frames", str(args.frames)]
     return a
 
 
@@ -231,11 +241,17 @@ def stage_eval(args, runs: list[str]) -> int:
     if missing:
         log(f"no exported weights for {', '.join(missing)} (run the train stage first); skipped")
         todo = [c for c in todo if c not in missing]
+    asked = {"height": args.size, "width": args.size, "frames": args.frames}
+    if (bad := _other_clip_size(folder, asked)) is not None:
+        return bad
     if not todo:
         log("every configuration is evaluated already")
         return 0
     models = load_models(args.model, device=args.device)
-    inp = heldout.inputs(models, args.eval_offset, args.eval_prompts, backend=args.eval_backend)
+    inp = heldout.inputs(models, args.eval_offset, args.eval_prompts, size=args.size, frames=args.frames,
+                         backend=args.eval_backend)
+    if (bad := _other_clip_size(folder, {k: getattr(inp.settings[0], k) for k in asked})) is not None:
+        return bad
     base_bf16 = _base_reference(args, models, inp)
     cfg = dict(models.pipe.transformer.config)
     for c in todo:
@@ -270,6 +286,18 @@ def stage_eval(args, runs: list[str]) -> int:
     return 0
 
 
+def _other_clip_size(folder: Path, want: dict) -> int | None:
+    """2 (after saying which) when an evaluation already in ``folder`` was made at another clip
+    size than ``want`` (None values: not asked, not compared); None when they all agree."""
+    for f in sorted(folder.glob("*.json")):
+        got = json.loads(f.read_text())["settings"]
+        diff = [f"{k} {got[k]} (there) vs {v}" for k, v in want.items() if v is not None and got[k] != v]
+        if diff:
+            log(f"{f} was evaluated at another clip size ({', '.join(diff)}); use another --work")
+            return 2
+    return None
+
+
 def _base_reference(args, models, inp) -> list[np.ndarray]:
     """The base model's BF16 clips of the held-out prompts (what every configuration's PSNR/SSIM is
     measured against), generated once per work folder, model and prompt range and kept in
@@ -277,8 +305,9 @@ def _base_reference(args, models, inp) -> list[np.ndarray]:
     from . import heldout
 
     model = hashlib.sha1(str(Path(args.model).resolve()).encode()).hexdigest()[:8]
+    s = inp.settings[0]
     cache = args.work / "cache" / (f"base-bf16-{args.eval_offset}-{args.eval_prompts}-"
-                                   f"{args.eval_backend}-{model}.npy")
+                                   f"{args.eval_backend}-{s.height}x{s.width}x{s.frames}-{model}.npy")
     if cache.is_file():
         clips = list(np.load(cache))
         log(f"base BF16 reference clips: {len(clips)} from {cache}")
@@ -372,7 +401,8 @@ def stage_report(args, runs: list[str], command: str) -> int:
                  f"each run's own earlier export (`{_shown(Path(cfg0['transformer']).parent)}/RUN`: "
                  "a continuation with a fresh optimizer and warm-up)")
         lines += ["", f"Fine-tuning (every run the same but for the student attention): from "
-                  f"{start}, the synthetic shapes stream (training split, seed {cfg0['seed']}, "
+                  f"{start}, {cfg0['width']} × {cfg0['height']} clips of {cfg0['frames']} frames, "
+                  f"the synthetic shapes stream (training split, seed {cfg0['seed']}, "
                   f"{cfg0.get('two_objects') if cfg0.get('two_objects') is not None else 0.5:.0%} two-object clips), "
                   f"{cfg0['steps']} steps of batch {cfg0['batch_size']}, AdamW lr {cfg0['lr']} "
                   f"({cfg0['schedule']}, {cfg0['warmup']} warm-up steps), weight decay "
@@ -514,6 +544,10 @@ def command_line(args: argparse.Namespace) -> str:
          str(args.two_objects)]
     if args.start_from is not None:
         a += ["--start-from", _shown(args.start_from)]
+    if args.size is not None:
+        a += ["--size", str(args.size)]
+    if args.frames is not None:
+        a += ["--frames", str(args.frames)]
     a += ["--eval-prompts", str(args.eval_prompts), "--eval-offset", str(args.eval_offset),
           "--eval-batch", str(args.eval_batch), "--eval-backend", args.eval_backend, "--doc", _shown(args.doc)]
     return "attnqat repro " + shlex.join(a)
@@ -533,6 +567,11 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.batch_size < 1 or args.eval_prompts < 1 or args.eval_offset < 0:
         print("attnqat repro: --steps, --batch-size and --eval-prompts must be >= 1, --eval-offset >= 0",
               file=sys.stderr)
+        return 2
+    if (args.size is not None and (args.size < 16 or args.size % 16)) or \
+            (args.frames is not None and (args.frames < 1 or (args.frames - 1) % 4)):
+        print(f"attnqat repro: --size must be a positive multiple of 16 and --frames 4k+1, got "
+              f"{args.size} and {args.frames}", file=sys.stderr)
         return 2
     command = command_line(args)
     for stage in stages:

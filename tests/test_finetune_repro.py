@@ -80,3 +80,27 @@ def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     assert side["training"]["start_weights"] == str(work / "export" / "attnqat")
     text = doc2.read_text()
     assert "continuation" in text and "--transformer" in text and "--start-from" in text
+
+
+def test_clip_size_reaches_training_and_evaluation_and_is_not_mixed(tmp_path):
+    """--size/--frames: the runs train and the evaluation generates at that size; a work folder
+    evaluated at one size refuses another; bad sizes are refused before any work."""
+    model = small_model(tmp_path / "small-wan")
+    work = tmp_path / "work"
+    args = ["--work", str(work), "--model", str(model), "--runs", "attnqat", "--steps", "1",
+            "--batch-size", "1", "--warmup", "0", "--eval-prompts", "2", "--eval-offset", "5",
+            "--eval-batch", "2", "--workers", "0", "--device", "cpu", "--doc", str(tmp_path / "r.md")]
+    assert R.main([*args, "--size", "20"]) == 2 and R.main([*args, "--frames", "6"]) == 2
+    assert not work.exists()
+    big = [*args, "--size", "48", "--frames", "9"]
+    assert R.main([*big, "--stages", "train,eval", "--configs", "base-bf16,qat-nvfp4"]) == 0
+    cfg = json.loads((work / "runs" / "attnqat" / "config.json").read_text())
+    assert (cfg["height"], cfg["width"], cfg["frames"]) == (48, 48, 9)
+    for c in ("base-bf16", "qat-nvfp4"):
+        s = json.loads((work / "eval" / f"{c}.json").read_text())["settings"]
+        assert (s["height"], s["width"], s["frames"]) == (48, 48, 9)
+    assert len(list((work / "cache").glob("base-bf16-5-2-*-48x48x9-*.npy"))) == 1
+    # the model's own size (32 x 32, 5 frames) in the same folder: refused, nothing written
+    assert R.main([*args, "--stages", "eval", "--configs", "base-nvfp4"]) == 2
+    assert R.main([*args, "--size", "32", "--stages", "eval", "--configs", "base-nvfp4"]) == 2
+    assert not (work / "eval" / "base-nvfp4.json").exists()
