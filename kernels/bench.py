@@ -4,7 +4,9 @@ Prints one table (ms, TFLOP/s, peak memory) per run and writes JSON. FLOPs are c
 4·B·H·Sq·Skv·D for a forward and 3.5 times that for forward+backward; every timing includes the
 quantization of BF16 inputs. ``--variants`` times the kernel variants the design was chosen from
 (tile shapes, the cost of each part of the P quantizer, the three operand formulations) and the
-quantize kernel's bandwidth against a device-to-device copy.
+quantize kernel's bandwidth against a device-to-device copy. ``--sass ARCH`` compiles the forward
+kernel's variants for a GPU architecture on any machine and counts their instructions
+(:mod:`attnqat.kernels.sass`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-sweep", action="store_true",
                         help="only sweep the packed quantize kernel's tiles (each checked bit-identical "
                              "to the default) and report bandwidth against a device copy")
+    parser.add_argument("--sass", type=int, default=None, metavar="ARCH",
+                        help="only compile the forward kernel's variants for sm_ARCH (90: Hopper, "
+                             "100: Blackwell) and print their machine-code instruction counts; "
+                             "needs no GPU")
     parser.add_argument("--json", default=None, help="write the results here")
 
 
@@ -340,6 +346,17 @@ def _versions() -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sass is not None:
+        from . import sass  # noqa: PLC0415
+
+        rows = sass.table(args.sass)
+        sass.print_table(rows)
+        if args.json:
+            import triton  # noqa: PLC0415
+
+            with open(args.json, "w") as fh:
+                json.dump(dict(date=time.strftime("%Y-%m-%d"), triton=triton.__version__, rows=rows), fh, indent=1)
+        return 0
     if not torch.cuda.is_available():
         print("attnqat bench kernels: needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2

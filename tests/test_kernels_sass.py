@@ -1,0 +1,59 @@
+"""Machine code of the forward kernel for Hopper, compiled on the CPU (attnqat/kernels/sass.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnqat.kernels import sass
+
+REPO = Path(__file__).resolve().parents[1]
+
+LISTING = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0020*/                   FMNMX R2, R3, R4, !PT ;
+        /*0030*/               @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0040*/                   FADD R5, R5, R6 ;
+        /*0050*/              @!P1 BRA `(.L_x_2) ;
+        /*0060*/                   EXIT ;
+"""
+
+
+def test_parse_finds_the_loop_around_the_matrix_multiplies():
+    ops, loop = sass.parse(LISTING)
+    assert ops == ["MOV", "HGMMA", "FMNMX", "BRA", "FADD", "BRA", "EXIT"]
+    assert loop == (1, 4)   # the FADD loop holds no MMA
+
+
+def test_hopper_machine_code_of_the_quantizers(tmp_path):
+    """Compiled for sm_90 without a GPU (the interpreter that the other tests use is switched off
+    in the child process): the P quantizer lengthens the key loop by a plausible few instructions
+    per score, the attnqat forward by more."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "sass.json"
+    res = subprocess.run([sys.executable, "-m", "attnqat.cli", "bench", "kernels", "--sass", "90",
+                          "--json", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == list(sass.VARIANTS)
+    base, q, o2 = rows["no P quantizer"], rows["nvfp4"], rows["nvfp4 + O' + stats (attnqat)"]
+    assert base["per_score"] == 0 and base["loop"] > 100
+    assert 4 < q["per_score"] < 30 and o2["per_score"] > q["per_score"]
+    assert rows["sage3 P quantizer"]["per_score"] > 4
+    assert "no P quantizer" in res.stdout
+
+
+def test_interpreted_kernels_cannot_be_disassembled():
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("runs only under the Triton interpreter")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        sass.compile_forward(90, 1)
