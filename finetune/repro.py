@@ -145,6 +145,11 @@ def log(msg: str) -> None:
 # Train
 
 
+def _start_weights(args, name: str) -> Path:
+    """Where run ``name`` starts from under ``--start-from``: that study's export of the run."""
+    return args.start_from / "export" / name
+
+
 def train_args(args, name: str) -> list[str]:
     """The ``attnqat finetune train`` arguments of run ``name``."""
     attention, ablation, _ = RUNS[name]
@@ -160,7 +165,7 @@ def train_args(args, name: str) -> list[str]:
     if ablation:
         a += ["--ablation", ablation, "--backend", "torch"]
     if args.start_from is not None:
-        a += ["--transformer", _shown(args.start_from / "export" / name)]
+        a += ["--transformer", _shown(_start_weights(args, name))]
     if args.size is not None:
         a += ["--height", str(args.size), "--width", str(args.size)]
     if args.frames is not None:
@@ -175,8 +180,8 @@ def stage_train(args, runs: list[str]) -> int:
 
     t0 = time.perf_counter()
     if args.start_from is not None:
-        missing = [str(args.start_from / "export" / r) for r in runs
-                   if not (args.start_from / "export" / r / "attnqat.json").is_file()]
+        missing = [str(_start_weights(args, r)) for r in runs
+                   if not (_start_weights(args, r) / "attnqat.json").is_file()]
         if missing:
             log(f"--start-from: no export in {', '.join(missing)}")
             return 2
@@ -224,8 +229,7 @@ def _clip_record(score: dict) -> dict:
             "objects": [{a: bool(o[a]) for a in ATTRS} for o in score["objects"]]}
 
 
-def stage_eval(args, runs: list[str]) -> int:
-
+def stage_eval(args, runs: list[str], configs: list[str]) -> int:
     from attnqat.convert import load_wan_transformer
     from attnqat.wan import load_models
 
@@ -233,7 +237,7 @@ def stage_eval(args, runs: list[str]) -> int:
 
     folder = args.work / "eval"
     folder.mkdir(parents=True, exist_ok=True)
-    wanted = [c.strip() for c in args.configs.split(",") if c.strip()] or list(CONFIGS)
+    wanted = configs or list(CONFIGS)
     todo = [c for c, (w, _, _) in CONFIGS.items() if c in wanted and (w == "base" or w in runs)
             and not (folder / f"{c}.json").is_file()]
     missing = [c for c in todo if CONFIGS[c][0] != "base"
@@ -242,7 +246,8 @@ def stage_eval(args, runs: list[str]) -> int:
         log(f"no exported weights for {', '.join(missing)} (run the train stage first); skipped")
         todo = [c for c in todo if c not in missing]
     asked = {"height": args.size, "width": args.size, "frames": args.frames}
-    if (bad := _other_clip_size(folder, asked)) is not None:
+    done = {f: json.loads(f.read_text())["settings"] for f in sorted(folder.glob("*.json"))}
+    if (bad := _other_clip_size(done, asked)) is not None:
         return bad
     if not todo:
         log("every configuration is evaluated already")
@@ -250,7 +255,7 @@ def stage_eval(args, runs: list[str]) -> int:
     models = load_models(args.model, device=args.device)
     inp = heldout.inputs(models, args.eval_offset, args.eval_prompts, size=args.size, frames=args.frames,
                          backend=args.eval_backend)
-    if (bad := _other_clip_size(folder, {k: getattr(inp.settings[0], k) for k in asked})) is not None:
+    if (bad := _other_clip_size(done, {k: getattr(inp.settings[0], k) for k in asked})) is not None:
         return bad
     base_bf16 = _base_reference(args, models, inp)
     cfg = dict(models.pipe.transformer.config)
@@ -286,11 +291,10 @@ def stage_eval(args, runs: list[str]) -> int:
     return 0
 
 
-def _other_clip_size(folder: Path, want: dict) -> int | None:
-    """2 (after saying which) when an evaluation already in ``folder`` was made at another clip
-    size than ``want`` (None values: not asked, not compared); None when they all agree."""
-    for f in sorted(folder.glob("*.json")):
-        got = json.loads(f.read_text())["settings"]
+def _other_clip_size(done: dict[Path, dict], want: dict) -> int | None:
+    """2 (after saying which) when an evaluation already made (file → its settings) was made at
+    another clip size than ``want`` (None values: not asked, not compared); None when they agree."""
+    for f, got in done.items():
         diff = [f"{k} {got[k]} (there) vs {v}" for k, v in want.items() if v is not None and got[k] != v]
         if diff:
             log(f"{f} was evaluated at another clip size ({', '.join(diff)}); use another --work")
@@ -575,7 +579,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     command = command_line(args)
     for stage in stages:
-        rc = {"train": lambda: stage_train(args, runs), "eval": lambda: stage_eval(args, runs),
+        rc = {"train": lambda: stage_train(args, runs), "eval": lambda: stage_eval(args, runs, configs),
               "report": lambda: stage_report(args, runs, command), "ship": lambda: stage_ship(args)}[stage]()
         if rc:
             return rc

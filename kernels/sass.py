@@ -32,13 +32,10 @@ _BRANCH = re.compile(r"BRA(?:\.\w+)*\s.*`\(\.(L_x_\d+)\)")
 
 @dataclass
 class Sass:
-    arch: int
     num_warps: int
-    shared_bytes: int
     total: int                      # static instruction count of the kernel
-    mix: collections.Counter        # opcode (without modifiers) → static count
     loop: int                       # instructions of the main loop (the backward branch around the MMAs)
-    loop_mix: collections.Counter
+    loop_mix: collections.Counter   # opcode (without modifiers) → count in the loop
     warp_specialize_ops: int        # ttg.warp_specialize ops in the GPU IR (0: not specialized)
     setmaxnreg: int                 # register reallocation between warp groups in the PTX
 
@@ -120,11 +117,10 @@ def parse(text: str) -> tuple[list[str], tuple[int, int] | None]:
     return ops, (max(loops, key=mma) if loops else None)
 
 
-def summarize(kernel, arch: int) -> Sass:
+def summarize(kernel) -> Sass:
     ops, loop = parse(disassemble(kernel.asm["cubin"]))
     body = ops[loop[0]:loop[1]] if loop else []
-    return Sass(arch=arch, num_warps=kernel.metadata.num_warps, shared_bytes=kernel.metadata.shared,
-                total=len(ops), mix=collections.Counter(ops), loop=len(body),
+    return Sass(num_warps=kernel.metadata.num_warps, total=len(ops), loop=len(body),
                 loop_mix=collections.Counter(body),
                 warp_specialize_ops=kernel.asm["ttgir"].count("ttg.warp_specialize"),
                 setmaxnreg=kernel.asm["ptx"].count("setmaxnreg"))
@@ -134,7 +130,7 @@ def table(arch: int, variants: dict = VARIANTS) -> list[dict]:
     """One row per variant: loop length, per-score cost against the first variant, the mix."""
     rows, base = [], None
     for name, (mode, o2, ws) in variants.items():
-        s = summarize(compile_forward(arch, mode, o2, ws), arch)
+        s = summarize(compile_forward(arch, mode, o2, ws))
         scores = 128 * 128 / (32 * s.num_warps)          # P elements per thread per key tile
         base = s.loop if base is None else base
         rows.append(dict(name=name, arch=arch, total=s.total, loop=s.loop,
