@@ -271,13 +271,19 @@ def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
                                                                                 WARP_SPEC=True)), True),
         ("nvfp4 + O' + stats, w-s  BM128/w8/s3", dict(p_mode=F.P_NVFP4, need_o2=True, store_stats=True,
                                                   config=dict(s3, WARP_SPEC=True)), True),
+        # the hand-scheduled Gluon forward (producer warp, two ping-pong consumer warpgroups; Hopper)
+        ("gluon nvfp4 ping-pong    BM128/2 WG/s2", dict(gluon=True), True),
     ]
     from attnqat import reference as ref  # noqa: PLC0415
     for case in cases:
         name, kw, check = case[0], case[1], len(case) > 2
         row = dict(name=name.strip())
         try:
-            fn = lambda kw=kw: F.attention_forward(qf, kf, vf, sm_scale=scale, **kw)  # noqa: E731
+            if kw.get("gluon"):
+                from .gluon_fwd import gluon_attention_forward  # noqa: PLC0415
+                fn = lambda: (gluon_attention_forward(qf, kf, vf, sm_scale=scale),)  # noqa: E731
+            else:
+                fn = lambda kw=kw: F.attention_forward(qf, kf, vf, sm_scale=scale, **kw)  # noqa: E731
             o = fn()[0]
             ms = _bench(fn, rep_ms)
             row.update(ms=ms, tflops=flops / ms * 1e-9)
@@ -351,11 +357,15 @@ def run(args: argparse.Namespace) -> int:
 
         rows = sass.table(args.sass)
         sass.print_table(rows)
+        gluon = sass.gluon_report(args.sass) if args.sass == 90 else None   # the Gluon kernel is Hopper's
+        if gluon is not None:
+            sass.print_gluon(gluon)
         if args.json:
             import triton  # noqa: PLC0415
 
             with open(args.json, "w") as fh:
-                json.dump(dict(date=time.strftime("%Y-%m-%d"), triton=triton.__version__, rows=rows), fh, indent=1)
+                json.dump(dict(date=time.strftime("%Y-%m-%d"), triton=triton.__version__, rows=rows,
+                               gluon=gluon), fh, indent=1)
         return 0
     if not torch.cuda.is_available():
         print("attnqat bench kernels: needs a CUDA GPU (none is visible)", file=sys.stderr)

@@ -5,7 +5,8 @@ Triton compiles for a target it is told (``GPUTarget("cuda", 90, 32)``), and its
 machine: the instruction mix, the main loop's length (the instructions every thread executes per
 key tile), and whether Triton warp-specialized the loop (``ttg.warp_specialize`` in its GPU IR,
 ``setmaxnreg`` in the PTX). ``attnqat bench kernels --sass ARCH`` prints the table of
-:data:`VARIANTS`; docs/kernels_notes.md records what it showed.
+:data:`VARIANTS` and, for sm_90, what the hand-scheduled Gluon forward (:mod:`.gluon_fwd`) compiles
+to (:func:`gluon_report`); docs/kernels_notes.md records what they showed.
 """
 
 from __future__ import annotations
@@ -149,4 +150,154 @@ def print_table(rows: list[dict]) -> None:
               f"{r['warps']:>5} {r['warp_specialize_ops']:>6}  {mix}")
 
 
-__all__ = ["VARIANTS", "Sass", "compile_forward", "disassemble", "parse", "print_table", "summarize", "table"]
+def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
+                          config: dict | None = None):
+    """The Gluon forward (:func:`.gluon_fwd.gluon_attn_fwd_kernel`) compiled for ``sm_<arch>`` as
+    its launcher would compile it for contiguous (B, S, H, D) = ``shape`` tensors (the descriptor type is what Triton's JIT derives
+    from a host :class:`TensorDescriptor`; integer arguments divisible by 16 are marked so). No GPU
+    needed. Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin)."""
+    import triton  # noqa: PLC0415
+
+    from . import gluon_fwd as G  # noqa: PLC0415
+    from .quantize import INTERPRET  # noqa: PLC0415
+
+    if G.GLUON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"triton {triton.__version__} has no usable Gluon ({G.GLUON_IMPORT_ERROR})")
+
+    if INTERPRET:
+        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted Python then, "
+                           "not compiled; unset it to read their machine code")
+    import torch  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+    from triton.runtime.jit import mangle_type  # noqa: PLC0415
+
+    cfg = dict(G.CONFIG)
+    cfg.update(config or {})
+    _, S, H, D = shape
+    # a host descriptor over a small CPU tensor of the same head_dim gives the argument's type string
+    desc_ty = mangle_type(G.tma_descriptor(torch.empty(1, G.BLOCK_N, 1, D, dtype=torch.bfloat16)))
+    consts = dict(D=D, STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
+                  LOADER_REGS=cfg["LOADER_REGS"])
+    ints = dict(sob=S * H * D, sos=H * D, soh=D, H=H, Sq=S, Skv=S)
+    sig, constexprs, attrs = {}, {}, {}
+    for i, n in enumerate(G.gluon_attn_fwd_kernel.arg_names):
+        if n in consts:
+            sig[n], constexprs[(i,)] = "constexpr", consts[n]
+        elif n in ("q_desc", "k_desc", "v_desc"):
+            sig[n] = desc_ty
+        elif n == "O":
+            sig[n], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        elif ints[n] == 1:
+            sig[n], constexprs[(i,)] = "constexpr", 1
+        else:
+            sig[n] = "i32"
+            if ints[n] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn=G.gluon_attn_fwd_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=4, maxnreg=cfg["MAXNREG"]))
+
+
+def gluon_facts(kernel, head_dim: int) -> dict:
+    """What the compiled kernel's SASS shows (read with the nvdisasm in Triton's wheel, as
+    :mod:`.sass` reads the Triton kernel): per consumer key loop (the innermost backward branch
+    around HGMMA and exponentials: S_j = D/16 and PV_{j-1} = 8 HGMMA), its static length, the length of the ragged-tile mask block it
+    branches over (so ``loop - mask`` instructions run per full tile), whether every HGMMA is issued
+    before the softmax's first exponential with no wgmma wait after the exponentials start (PV in
+    flight during the softmax), and the quantizer's rounding instructions; for the kernel, spills
+    (LDL/STL), registers (cuobjdump) and the ``setmaxnreg`` values in the PTX."""
+    import triton  # noqa: PLC0415
+
+    text = disassemble(kernel.asm["cubin"])
+    insn = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)$")
+    ops, labels, loops, lines = [], {}, [], []
+    for line in text.splitlines():
+        if m := _LABEL.match(line):
+            labels[m.group(1)] = len(ops)
+        elif m := insn.match(line):
+            ops.append(m.group(3))
+            lines.append(line)
+            b = _BRANCH.search(line)
+            if b and b.group(1) in labels:
+                loops.append((labels[b.group(1)], len(ops)))
+    facts = dict(total=len(ops), spill_instructions=sum(o.startswith(("LDL", "STL")) for o in ops),
+                 setmaxnreg=[int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                        kernel.asm["ptx"])],
+                 consumer_loops=[])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    if m := re.search(r"REG:(\d+)", usage):
+        facts["registers"] = int(m.group(1))
+    facts["max_register_index"] = max((int(r) for r in re.findall(r"\bR(\d+)\b", text)), default=-1)
+    for a, e in loops:
+        body = ops[a:e]
+        # a key loop issues S_j (head_dim/16 k-steps) and PV_{j-1} (128/16); the mbarrier spin
+        # loops' retry branches back into earlier code make larger spans, which hold more
+        if sum(o.startswith("HGMMA") for o in body) != head_dim // 16 + 8 or "MUFU.EX2" not in body:
+            continue
+        ex2 = [i for i, o in enumerate(body) if o == "MUFU.EX2"]
+        hg = [i for i, o in enumerate(body) if o.startswith("HGMMA")]
+        waits = [i for i, o in enumerate(body) if o.startswith("WARPGROUP.DEPBAR")]
+        # the mask block: a forward branch inside the loop over the FSEL …, -INF selects
+        mask = 0
+        for i in range(a, e):
+            b = _BRANCH.search(lines[i])
+            if b and b.group(1) in labels and i < labels[b.group(1)] <= e:
+                skipped = lines[i + 1:labels[b.group(1)]]
+                if sum("FSEL" in s and "-INF" in s for s in skipped) >= 32:
+                    mask = len(skipped) + 1
+        facts["consumer_loops"].append(dict(
+            loop=len(body), mask_block=mask, per_full_tile=len(body) - mask,
+            hgmma=len(hg), warpgroup_arrive=sum(o == "WARPGROUP.ARRIVE" for o in body),
+            waits=len(waits), last_hgmma=max(hg), first_ex2=min(ex2), last_ex2=max(ex2),
+            waits_after_first_ex2=sum(w > min(ex2) for w in waits),
+            e2m1_magic_ffma=sum("6291456" in s for s in lines[a:e]),
+            exponent_mask_lop3=sum("0x7f800000" in s for s in lines[a:e]),
+            rcp=sum(o == "MUFU.RCP" for o in body),
+            mix=dict(collections.Counter(o.split(".")[0] for o in body).most_common(12))))
+    return facts
+
+
+def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict:
+    """{head_dim: :func:`gluon_facts` of the Gluon forward, plus ``triton_loop``: the key loop length
+    of the Triton ``nvfp4`` forward compiled with the same Triton}; a head_dim whose Gluon kernel
+    does not compile reports ``error``. No GPU needed."""
+    import triton  # noqa: PLC0415
+
+    report = {}
+    for D in head_dims:
+        try:
+            facts = gluon_facts(compile_gluon_forward(arch, shape=(1, 32760, 12, D)), D)
+        except Exception as exc:  # noqa: BLE001 - reported
+            facts = dict(error=f"{type(exc).__name__}: {exc}")
+        facts["triton_loop"] = summarize(compile_forward(arch, 1, shape=(1, 32760, 12, D))).loop
+        facts["triton"] = triton.__version__
+        report[D] = facts
+    return report
+
+
+
+def print_gluon(report: dict) -> None:
+    """One line per head_dim of :func:`gluon_report`: per consumer key loop, its length per full
+    tile against the Triton loop, the wgmma groups and waits, registers and spills."""
+    for D, f in report.items():
+        if "error" in f:
+            print(f"gluon nvfp4 D={D}: does not compile under triton {f['triton']}: {f['error'][:200]}")
+            continue
+        for i, lp in enumerate(f["consumer_loops"]):
+            print(f"gluon nvfp4 D={D} consumer {i}: {lp['per_full_tile']} instructions per full key tile "
+                  f"(Triton loop {f['triton_loop']}), {lp['hgmma']} HGMMA, {lp['waits']} waits "
+                  f"({lp['waits_after_first_ex2']} after the first exponential), "
+                  f"{f['registers']} registers, {f['spill_instructions']} spill instructions, "
+                  f"setmaxnreg {f['setmaxnreg']}")
+
+
+__all__ = ["VARIANTS", "Sass", "compile_forward", "compile_gluon_forward", "disassemble", "gluon_facts",
+           "gluon_report", "parse", "print_gluon", "print_table", "summarize", "table"]

@@ -1,0 +1,363 @@
+"""The ``nvfp4`` attention forward as a hand-scheduled Gluon kernel for Hopper (issue 17).
+
+Same numerics as :func:`attention_fwd.attn_fwd_kernel` in mode ``P_NVFP4`` (formulation 0: Q, K, V
+arrive as bf16 tensors holding their exact NVFP4-dequantized values; no O'; head_dim 64 or 128).
+The schedule is FlashAttention-3's, written out by hand because Triton 3.6 does not warp-specialize
+the Triton kernel on sm_90 (docs/kernels_notes.md, "Closing the gap to cuDNN"):
+
+* One CTA owns 128 queries of one (batch, head) and walks over key tiles of 128 keys (``KV_TILE``:
+  the running maximum P̃ is quantized against is updated once per 128-key tile, as in the
+  reference). It runs three partitions (``gl.warp_specialize``): two **consumer warpgroups** of 4
+  warps, each owning 64 of the 128 query rows, and one **producer warp**.
+* The producer issues TMA loads: Q once, then K_j and V_j into a ``STAGES``-deep shared-memory ring,
+  each slot with a "ready" mbarrier (TMA transaction count) and an "empty" mbarrier that both
+  consumers arrive on when their matrix multiplies have read the slot. The TMA descriptors are 4-D
+  views of the (B, S, H, D) tensors with a [1, 128, 1, D] box, so the rows past the end of the
+  sequence of *this* batch element are zero-filled by the hardware (never the next batch's rows).
+* Each consumer pipelines its own key loop (intra-warpgroup overlap). Iteration j: wait for the
+  PV group of tile j-2, issue S_j = Q K_jᵀ, rescale O by α_{j-1}, issue O += P̃ᶠ_{j-1} V_{j-1}, wait
+  for S_j only, then run the softmax and the P quantizer of tile j while PV_{j-1} is still on the
+  tensor cores. (FlashAttention-3 waits for PV at the end of the iteration instead; ptxas hoists a
+  wgmma wait to the top of its basic block, which put that wait before the softmax and ended the
+  overlap — seen in the SASS. At the top of the iteration, behind the mbarrier spin loops, the wait
+  stays where it is written. ptxas also serializes every wgmma unless exactly one PV group is in
+  flight at the loop head on every path, hence a zero product 0·V_0 before the loop.)
+* The two consumers **ping-pong**: a pair of mbarriers hands the right to issue matrix multiplies
+  back and forth, so that one warpgroup's softmax + quantizer overlaps the other one's MMAs.
+
+Arithmetic, operation for operation as in the Triton kernel (the P quantizer calls the very
+``@triton.jit`` helpers of :mod:`.quantize` — Gluon compiles their bodies with its own semantics,
+which is how ``gl.max``/``gl.sum`` themselves are defined — so the E4M3 scale, the reciprocal and the
+E2M1 rounding are the same operations in the same order, and the same rounding decisions):
+
+    s (fp32 wgmma, K-order as Triton's m64n128k16 chain);  tail keys ≥ Skv → −inf
+    m_new = max(m, rowmax(s)·scale);  P̃ = exp2(s·scale − m_new);  α = exp2(m − m_new)
+    l = l·α + rowsum(P̃);  P̃ᶠ = E2M1(P̃ · rcp(max(sc, 2⁻¹⁰)))·sc,  sc = E4M3(amax₁₆·(1/6))
+    O = O·α + bf16(P̃ᶠ) V   (the rescale and product of tile j happen in iteration j+1; the
+                             sequence of floating-point operations on O is the Triton kernel's)
+    out = bf16(O · (1/l))
+
+The accumulator layout is the Triton kernel's (wgmma m64n128k16, 4 warps per 64 rows, the same
+thread ↔ element map), so the row reductions visit the same elements in the same order.
+
+Status: compiled for sm_90 on a CPU machine with Triton 3.6.0 (the GPU machine's version) and
+3.9.0 (the two spellings of the TMA load and of the shared-memory reinterpretation are picked at
+import); ``attnqat bench kernels --sass 90`` prints what its SASS shows (:func:`.sass.gluon_report`)
+and tests/test_kernels_gluon.py checks it. **It has never run on a GPU**: the numerics tests
+(``python -P -m pytest -m gpu tests/test_kernels_gluon.py``) and its row in ``attnqat bench kernels
+--variants`` are written for the next GPU session. It is not wired into :func:`attnqat.attention`
+or ``backend="auto"``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .attention_fwd import KV_TILE
+from .quantize import e2m1_round_fast, e4m3_round, fast_rcp
+
+try:  # Gluon is experimental: absent from older Triton builds
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    GLUON_IMPORT_ERROR: str | None = None
+    # API renames after 3.6 (the GPU machine's version): both spellings are supported
+    _PUBLIC_REINTERPRET: tl.constexpr = tl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+    _tma_async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+except ImportError as _exc:  # pragma: no cover - depends on the installed Triton
+    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = None
+    TensorDescriptor = None
+    GLUON_IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 128      # queries per CTA: two consumer warpgroups of 64 rows
+BLOCK_N = 128      # keys per tile = KV_TILE, the running maximum's tile (fixed)
+_BM: tl.constexpr = tl.constexpr(BLOCK_M)       # the same two, visible inside the kernels
+_BN: tl.constexpr = tl.constexpr(BLOCK_N)
+HEAD_DIMS = (64, 128)
+assert BLOCK_N == KV_TILE.value, "the key tile is the running maximum's tile (KV_TILE = 128 keys)"
+#: default launch: ring depth, registers of the second consumer and of the producer warp (the
+#: first consumer, Gluon's "default partition", gets what is left of ``MAXNREG`` per warpgroup)
+CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
+
+
+if gluon is not None:
+
+    @gluon.jit
+    def _quantize_p(p, BM: gl.constexpr, BN: gl.constexpr):
+        """NVFP4 fake quantization of P̃ per 16 consecutive keys: :func:`attention_fwd.quantize_p_rows`
+        mode 1, line for line (the helpers are the Triton kernel's own)."""
+        p3 = gl.reshape(p, [BM, BN // 16, 16])
+        sc = e4m3_round(gl.max(p3, axis=2) * (1.0 / 6.0), False)
+        inv = fast_rcp(gl.maximum(sc, 0.0009765625))
+        q3 = e2m1_round_fast(p3 * inv[:, :, None]) * sc[:, :, None]
+        return gl.reshape(q3, [BM, BN])
+
+    @gluon.jit
+    def _softmax_tile(s, m_i, l_i, start_n, Skv, qk_scale, s_layout: gl.constexpr,
+                      BM: gl.constexpr, BN: gl.constexpr):
+        """Online softmax of one key tile and the P quantizer; returns (m, l, α, P̃ᶠ fp32)."""
+        if start_n + BN > Skv:  # the ragged last tile: keys beyond Skv masked out
+            offs_n = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where((offs_n < Skv)[None, :], s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return m_new, l_i, alpha, _quantize_p(p, BM, BN)
+
+    @gluon.jit
+    def _turn_wait(turn, WG: gl.constexpr, event):
+        """Ping-pong: wait until this warpgroup may issue its ``event``-th group of MMAs. The
+        warpgroups alternate strictly (0, 1, 0, 1, …); a fresh mbarrier counts as having completed
+        the phase before phase 0, so warpgroup 0 passes its first wait at once."""
+        mbarrier.wait(turn.index(WG), (event & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _turn_pass(turn, WG: gl.constexpr):
+        """Ping-pong: hand the MMA issue slot to the other warpgroup (after issuing, not after
+        completion: the tensor cores execute the groups in issue order)."""
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                  O, sob, sos, soh, b, h, m0, Sq, Skv, qk_scale,
+                  WG: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+        """One consumer warpgroup: query rows [m0 + 64·WG, m0 + 64·WG + 64)."""
+        HM: gl.constexpr = _BM // 2
+        BN: gl.constexpr = _BN
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        m_i = gl.full([HM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HM], gl.float32, layout=gl.SliceLayout(1, s_layout))
+        s_init = gl.zeros([HM, BN], gl.float32, layout=s_layout)   # ignored (use_acc=False)
+        n_tiles = gl.cdiv(Skv, BN)
+
+        mbarrier.wait(q_bar, 0)
+        q = q_smem.slice(WG * HM, HM)                                 # [64, D]
+
+        # prologue: S_0 and its softmax
+        mbarrier.wait(k_ready.index(0), 0)
+        _turn_wait(turn, WG, 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
+        _turn_pass(turn, WG)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        mbarrier.arrive(k_empty.index(0), count=1)
+        m_i, l_i, alpha, pq = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN)
+        p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)   # exact: ≤ 6 significant bits
+        # Exactly one PV group is in flight at the top of every iteration (ptxas serializes all
+        # wgmma otherwise): before the first, a zero product 0·V_0 stands in for PV_{-1}. (0·V_0 = 0
+        # exactly for finite V_0; a non-finite V_0 makes the output non-finite in both kernels.)
+        mbarrier.wait(v_ready.index(0), 0)
+        acc_tok = warpgroup_mma(gl.zeros([HM, BN], gl.bfloat16, layout=p_layout), v_smem.index(0),
+                                gl.zeros([HM, D], gl.float32, layout=o_layout), use_acc=False, is_async=True)
+
+        # Iteration j: wait for PV_{j-2}; issue S_j; O = O·α_{j-1}; issue PV_{j-1}; wait for S_j;
+        # softmax + quantizer of tile j while PV_{j-1} runs. The PV wait sits at the top of the
+        # iteration, after the mbarrier spin loops: ptxas hoists a wgmma wait to the top of its basic
+        # block, so a wait placed after the softmax (FlashAttention-3's order) ends the overlap.
+        for j in range(1, n_tiles):
+            stage = j % STAGES
+            pstage = (j - 1) % STAGES
+            mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+            mbarrier.wait(v_ready.index(pstage), ((j - 1) // STAGES) & 1)
+            _turn_wait(turn, WG, j)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok])             # PV_{j-2}
+            mbarrier.arrive(v_empty.index((j + STAGES - 2) % STAGES), count=1, pred=j >= 2)
+            s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False,
+                                  is_async=True)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+            acc_tok = warpgroup_mma(p_next, v_smem.index(pstage), acc, is_async=True)  # PV_{j-1}
+            _turn_pass(turn, WG)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])                   # S_j
+            mbarrier.arrive(k_empty.index(stage), count=1)
+            m_i, l_i, alpha, pq = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN)
+            p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)
+
+        # epilogue: the last P̃ᶠ V
+        last = n_tiles - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        _turn_wait(turn, WG, n_tiles)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok])
+        mbarrier.arrive(v_empty.index((last + STAGES - 1) % STAGES), count=1, pred=last >= 1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        acc_tok = warpgroup_mma(p_next, v_smem.index(last % STAGES), acc, is_async=True)
+        _turn_pass(turn, WG)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok])
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+
+        inv_l = 1.0 / l_i
+        out = (acc * gl.convert_layout(inv_l, row_o)[:, None]).to(gl.bfloat16)
+        offs_m = m0 + WG * HM + gl.arange(0, HM, layout=row_o)
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        base = O + b.to(gl.int64) * sob + h.to(gl.int64) * soh
+        gl.store(base + offs_m[:, None] * sos + offs_d[None, :], out, mask=(offs_m < Sq)[:, None])
+
+    @gluon.jit
+    def _tma_load(desc, coord, bar, buf):
+        """TMA load of the descriptor's [1, 128, 1, D] box at ``coord`` into the [128, D] buffer."""
+        _tma_async_load(desc, coord, bar, _as_box(buf, desc))   # 3.6: async_copy_global_to_shared
+
+    @gluon.jit
+    def _as_box(buf, desc):
+        """A [128, D] buffer seen as the descriptor's [1, 128, 1, D] box (the same bytes and swizzle)."""
+        if _PUBLIC_REINTERPRET:   # triton ≥ 3.7 (3.6 names it _reinterpret)
+            return buf.reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+        else:
+            return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+                v_empty, b, h, m0, Skv, STAGES: gl.constexpr):
+        """The producer warp: Q once, then K_j and V_j through the ring (TMA, zero-filled past Skv)."""
+        BN: gl.constexpr = _BN
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, m0, h, 0], q_bar, q_smem)
+        # K_{j+1} is issued before V_j: V slots are released half an iteration later than K slots
+        # (after PV, not after S), and K_{j+1} must not queue behind them
+        n_tiles = gl.cdiv(Skv, BN)
+        _load_tile(k_desc, k_smem, k_ready, k_empty, b, h, 0, STAGES)
+        for j in range(n_tiles):
+            if j + 1 < n_tiles:
+                _load_tile(k_desc, k_smem, k_ready, k_empty, b, h, j + 1, STAGES)
+            _load_tile(v_desc, v_smem, v_ready, v_empty, b, h, j, STAGES)
+
+    @gluon.jit
+    def _load_tile(desc, bufs, ready, empty, b, h, j, STAGES: gl.constexpr):
+        """TMA load of key tile j into ring slot j % STAGES, once both consumers released it."""
+        stage = j % STAGES
+        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes phase 1
+        mbarrier.expect(ready.index(stage), desc.block_type.nbytes)
+        _tma_load(desc, [b, j * _BN, h, 0], ready.index(stage), bufs.index(stage))
+
+    @gluon.jit
+    def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, O, sob, sos, soh, H, Sq, Skv, qk_scale,
+                              D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                              LOADER_REGS: gl.constexpr):
+        """Grid (cdiv(Sq, 128), B·H), ``num_warps=4`` (+ 4 + 1 worker warps). Q/K/V descriptors:
+        (B, S, H, D) views with a [1, 128, 1, D] box; O: (B, Sq, H, D) bf16 with head_dim stride 1."""
+        gl.static_assert(D == 64 or D == 128, "head_dim must be 64 or 128")
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        m0 = pid_m * _BM
+
+        # 2-D buffers for the MMAs (the TMA writes them through 4-D views of the same bytes)
+        smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, D], gl.bfloat16)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [_BM, D], smem_layout)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], smem_layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], smem_layout)
+
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)   # both consumers release a slot
+            mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+
+        gl.warp_specialize([
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                         O, sob, sos, soh, b, h, m0, Sq, Skv, qk_scale, 0, D, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                         O, sob, sos, soh, b, h, m0, Sq, Skv, qk_scale, 1, D, STAGES)),
+            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                       b, h, m0, Skv, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+def gluon_unavailable() -> str | None:
+    """None when the Gluon forward can run here (Gluon importable, a CUDA sm_90 device), else why not."""
+    if GLUON_IMPORT_ERROR is not None:
+        return f"triton {triton.__version__} has no usable Gluon ({GLUON_IMPORT_ERROR})"
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    cap = torch.cuda.get_device_capability()
+    if cap != (9, 0):
+        return f"the Gluon forward is written for Hopper (sm_90); this device is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def _smem_layout(D: int):
+    return gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, D], gl.bfloat16)
+
+
+def tma_descriptor(t):
+    """4-D TMA descriptor of a (B, S, H, D) tensor with a [1, 128, 1, D] box."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_N, 1, t.shape[3]], _smem_layout(t.shape[3]))
+
+
+def _check_inputs(q, k, v) -> None:
+    import torch  # noqa: PLC0415
+
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise RuntimeError(f"{name} must be (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype != torch.bfloat16:
+            raise RuntimeError(f"{name} is {t.dtype}; the Gluon forward takes bfloat16 operands")
+        if not t.is_cuda:
+            raise RuntimeError(f"{name} is on {t.device.type}; the Gluon forward needs CUDA tensors")
+        # TMA: unit stride along head_dim, every other stride and the base 16-byte aligned
+        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
+            raise RuntimeError(f"{name} (strides {tuple(t.stride())}) is not TMA-addressable: head_dim must "
+                               "be contiguous and the other strides multiples of 8 elements "
+                               "(call .contiguous() first)")
+    B, _, H, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != H or k.shape[3] != D:
+        raise RuntimeError(f"shapes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if D not in HEAD_DIMS:
+        raise RuntimeError(f"head_dim {D} is not supported (64 or 128)")
+    if min(q.shape) == 0 or k.shape[1] == 0:
+        raise RuntimeError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+
+
+def gluon_attention_forward(q, k, v, *, sm_scale: float, config: dict | None = None):
+    """O (bf16, (B, Sq, H, D)) of the ``nvfp4`` forward for bf16 operands that already hold their
+    NVFP4-dequantized values, as ``attention_forward(q, k, v, sm_scale=…, p_mode=1)[0]``.
+    Raises RuntimeError where Gluon or a Hopper GPU is missing, or the inputs do not fit."""
+    import torch  # noqa: PLC0415
+
+    why = gluon_unavailable()
+    if why is not None:
+        raise RuntimeError(f"gluon_attention_forward cannot run: {why}")
+    _check_inputs(q, k, v)
+    cfg = dict(CONFIG)
+    cfg.update(config or {})
+    B, Sq, H, D = q.shape
+    Skv = k.shape[1]
+    o = torch.empty(B, Sq, H, D, device=q.device, dtype=torch.bfloat16)
+    grid = (triton.cdiv(Sq, BLOCK_M), B * H)
+    gluon_attn_fwd_kernel[grid](
+        tma_descriptor(q), tma_descriptor(k), tma_descriptor(v), o, o.stride(0), o.stride(1), o.stride(2),
+        H, Sq, Skv, sm_scale * LOG2E,
+        D=D, STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], LOADER_REGS=cfg["LOADER_REGS"],
+        num_warps=4, maxnreg=cfg["MAXNREG"],
+    )
+    return o
