@@ -153,9 +153,10 @@ def print_table(rows: list[dict]) -> None:
 def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
                           config: dict | None = None):
     """The Gluon forward (:func:`.gluon_fwd.gluon_attn_fwd_kernel`) compiled for ``sm_<arch>`` as
-    its launcher would compile it for contiguous (B, S, H, D) = ``shape`` tensors (the descriptor type is what Triton's JIT derives
-    from a host :class:`TensorDescriptor`; integer arguments divisible by 16 are marked so). No GPU
-    needed. Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin)."""
+    its launcher would compile it for contiguous (B, S, H, D) = ``shape`` tensors (the descriptor
+    type is what Triton's JIT derives from a host ``TensorDescriptor``; integer arguments divisible
+    by 16 are marked so). No GPU needed. Returns Triton's compiled kernel (``.asm``: ttgir, ptx,
+    cubin)."""
     import triton  # noqa: PLC0415
 
     from . import gluon_fwd as G  # noqa: PLC0415
@@ -163,7 +164,6 @@ def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = 
 
     if G.GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"triton {triton.__version__} has no usable Gluon ({G.GLUON_IMPORT_ERROR})")
-
     if INTERPRET:
         raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted Python then, "
                            "not compiled; unset it to read their machine code")
@@ -202,10 +202,10 @@ def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = 
 
 
 def gluon_facts(kernel, head_dim: int) -> dict:
-    """What the compiled kernel's SASS shows (read with the nvdisasm in Triton's wheel, as
-    :mod:`.sass` reads the Triton kernel): per consumer key loop (the innermost backward branch
-    around HGMMA and exponentials: S_j = D/16 and PV_{j-1} = 8 HGMMA), its static length, the length of the ragged-tile mask block it
-    branches over (so ``loop - mask`` instructions run per full tile), whether every HGMMA is issued
+    """What the compiled Gluon forward's SASS shows: per consumer key loop (the innermost backward
+    branch around HGMMA and exponentials: S_j = D/16 and PV_{j-1} = 8 HGMMA), its static length, the
+    length of the ragged-tile mask block it branches over (so ``loop - mask`` instructions run per
+    full tile), whether every HGMMA is issued
     before the softmax's first exponential with no wgmma wait after the exponentials start (PV in
     flight during the softmax), and the quantizer's rounding instructions; for the kernel, spills
     (LDL/STL), registers (cuobjdump) and the ``setmaxnreg`` values in the PTX."""
