@@ -71,8 +71,12 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
 PAIRS = (("qat-nvfp4", "base-bf16"), ("qat-nvfp4", "base-nvfp4"), ("qat-nvfp4", "control-nvfp4"),
          ("base-nvfp4", "base-bf16"), ("control-nvfp4", "base-bf16"), ("base-sage3", "base-bf16"),
          ("qat-nvfp4", "base-sage3"), ("qat-nvfp4", "qat-bf16"), ("qat-bf16", "base-bf16"),
-         ("control-bf16", "base-bf16"),
+         ("control-bf16", "base-bf16"), ("control-nvfp4", "control-bf16"),
          ("dropin-nvfp4", "base-bf16"), ("p2off-nvfp4", "base-bf16"), ("p1off-nvfp4", "base-bf16"))
+#: the 4-bit cost of a weight set is its NVFP4 configuration minus its BF16 one; Attn-QAT's is
+#: compared with the control's and the base's (claim 2 is that QAT makes the weights robust to it)
+COSTS = (("qat", "control"), ("qat", "base"))
+WEIGHTS = {"qat": "Attn-QAT", "control": "BF16 control", "base": "base"}
 ATTRS = ("colour", "shape", "motion")
 
 
@@ -358,6 +362,23 @@ def paired(a: list[bool], b: list[bool], n_boot: int = 10000, seed: int = 0) -> 
             "n": len(x)}
 
 
+def cost_difference(a_fp4: list[bool], a_bf16: list[bool], b_fp4: list[bool], b_bf16: list[bool],
+                    n_boot: int = 10000, seed: int = 0) -> dict:
+    """The 4-bit cost of weight set A (its all-correct rate with NVFP4 attention minus with BF16)
+    minus that of B, on the same prompts and seeds, with a 95 % paired-bootstrap interval
+    (resampling prompts, the four outcomes of a prompt together). Positive: A loses less to
+    4-bit attention than B does."""
+    x = [np.asarray(o, dtype=float) for o in (a_fp4, a_bf16, b_fp4, b_bf16)]
+    if len({len(o) for o in x}) != 1 or not len(x[0]):
+        raise ValueError("cost difference of unequal or empty outcome lists")
+    d = (x[0] - x[1]) - (x[2] - x[3])
+    idx = np.random.default_rng(seed).integers(0, len(d), size=(n_boot, len(d)))
+    boot = d[idx].mean(axis=1)
+    return {"cost_a": float((x[0] - x[1]).mean()), "cost_b": float((x[2] - x[3]).mean()),
+            "diff": float(d.mean()), "lo": float(np.quantile(boot, 0.025)),
+            "hi": float(np.quantile(boot, 0.975)), "n": len(d)}
+
+
 def _p(p: float, eq: str = "") -> str:
     """A p-value as the report prints it: three decimals, or "< 0.001"."""
     return "< 0.001" if p < 0.001 else f"{eq}{p:.3f}"
@@ -445,6 +466,21 @@ def stage_report(args, runs: list[str], command: str) -> int:
             lines.append(f"| {CONFIGS[a][2]} | {CONFIGS[b][2]} | {100 * pr['diff']:+.1f} | "
                          f"[{100 * pr['lo']:+.1f}, {100 * pr['hi']:+.1f}] | {pr['only_a']} | "
                          f"{pr['only_b']} | {_p(pr['p'])} |")
+    costs = {}
+    for a, b in COSTS:
+        cfgs = [f"{a}-nvfp4", f"{a}-bf16", f"{b}-nvfp4", f"{b}-bf16"]
+        if all(c in ev for c in cfgs):
+            costs[(a, b)] = cost_difference(*[[c["all_correct"] for c in ev[x]["clips"]] for x in cfgs])
+    if costs:
+        lines += ["", "## Robustness to 4-bit attention", "",
+                  "A weight set's 4-bit cost: its all-correct rate with NVFP4 attention minus with BF16 "
+                  "attention. The difference of two costs is paired over prompts (the four clips of a "
+                  "prompt resampled together, 10,000 times); positive: the first loses less.", "",
+                  "| weights A | weights B | cost of A (points) | cost of B | A − B | 95 % interval |",
+                  "|---|---|---|---|---|---|"]
+        for (a, b), c in costs.items():
+            lines.append(f"| {WEIGHTS[a]} | {WEIGHTS[b]} | {100 * c['cost_a']:+.1f} | {100 * c['cost_b']:+.1f} | "
+                         f"{100 * c['diff']:+.1f} | [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] |")
     lines += ["", "## Against the target", ""]
     q = verdicts.get(("qat-nvfp4", "base-bf16"))
     if q is not None:
@@ -462,6 +498,12 @@ def stage_report(args, runs: list[str], command: str) -> int:
         lines.append(f"- QAT-NVFP4 against the BF16 control with NVFP4 attention (what the extra "
                      f"training alone gives): {100 * q3['diff']:+.1f} points "
                      f"[{100 * q3['lo']:+.1f}, {100 * q3['hi']:+.1f}], p {_p(q3['p'], '= ')}.")
+    c = costs.get(("qat", "control"))
+    if c is not None:
+        lines.append(f"- Attn-QAT's own 4-bit cost against the BF16 control's (what training with 4-bit "
+                     f"attention buys in robustness): {100 * c['cost_a']:+.1f} against "
+                     f"{100 * c['cost_b']:+.1f} points, difference {100 * c['diff']:+.1f} "
+                     f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}].")
     if run_dirs:
         curves = figs / "repro_curves.png"
         plot_runs(list(run_dirs.values()), curves, labels=[RUNS[r][2] for r in run_dirs], smooth=25,
@@ -484,6 +526,7 @@ def stage_report(args, runs: list[str], command: str) -> int:
     args.doc.write_text("\n".join(lines) + "\n")
     (args.work / "report.json").write_text(json.dumps(
         {"date": now(), "command": command, "pairs": {f"{a} vs {b}": v for (a, b), v in verdicts.items()},
+         "cost_differences": {f"{a} vs {b}": v for (a, b), v in costs.items()},
          "summaries": {c: r["summary"] for c, r in ev.items()}}, indent=1) + "\n")
     log(f"wrote {args.doc}")
     return 0

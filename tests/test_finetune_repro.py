@@ -32,6 +32,22 @@ def test_paired_comparison_counts_discordant_clips():
     assert same["diff"] == 0 and same["p"] == 1.0 and same["lo"] == same["hi"] == 0
 
 
+def test_cost_difference_pairs_the_four_outcomes_of_a_prompt():
+    # A loses 2 of 10 clips to 4-bit attention, B loses 5: A's cost is 3 points smaller
+    a_bf16 = [True] * 8 + [False] * 2
+    a_fp4 = [True] * 6 + [False] * 4
+    b_bf16 = [True] * 10
+    b_fp4 = [True] * 5 + [False] * 5
+    c = R.cost_difference(a_fp4, a_bf16, b_fp4, b_bf16)
+    assert c["cost_a"] == pytest.approx(-0.2) and c["cost_b"] == pytest.approx(-0.5)
+    assert c["diff"] == pytest.approx(0.3) and c["lo"] <= c["diff"] <= c["hi"] and c["n"] == 10
+    # the same weights twice: no difference, and an interval of zero width
+    same = R.cost_difference(a_fp4, a_bf16, a_fp4, a_bf16)
+    assert same["diff"] == same["lo"] == same["hi"] == 0
+    with pytest.raises(ValueError):
+        R.cost_difference(a_fp4, a_bf16[:5], b_fp4, b_bf16)
+
+
 def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     model = small_model(tmp_path / "small-wan")
     work, doc, ship = tmp_path / "work", tmp_path / "docs" / "repro.md", tmp_path / "qat"
@@ -50,6 +66,7 @@ def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     assert rec["similarity_to_base_bf16"]["ssim"] <= 1.0
     text = doc.read_text()
     assert "| Attn-QAT, NVFP4 attention |" in text and "McNemar" in text and "repro_curves.png" in text
+    assert "## Robustness to 4-bit attention" in text and "| Attn-QAT | BF16 control |" in text
     assert "attnqat finetune train" in text and "--ablation d_from_o" in text
     assert (doc.parent / "repro_curves.png").stat().st_size > 10_000
     side = json.loads((ship / "attnqat.json").read_text())
