@@ -19,6 +19,10 @@ Stages (``--stages``, any subset, in this order; each continues what an earlier 
     :data:`CONFIGS` whose run exists, scores it procedurally and measures PSNR/SSIM against the
     base model's BF16 clip of the same prompt and seed (:mod:`attnqat.finetune.heldout`). One JSON
     per configuration in ``WORK/eval``; configurations already there are kept.
+``probe``
+    For the base and every exported run, how much NVFP4 attention changes each self-attention
+    layer's output while the model denoises ``--probe-prompts`` held-out prompts
+    (:mod:`attnqat.finetune.attn_probe`; PyTorch reference, CPU-sized): ``WORK/probe.json``.
 ``report``
     Rates with 95 % Wilson intervals, paired comparisons (exact McNemar test on the clips
     all-correct; the difference with a paired bootstrap interval over prompts), the runs' loss
@@ -45,7 +49,7 @@ import numpy as np
 
 from .runlog import device_name, now
 
-STAGES = ("train", "eval", "report", "ship")
+STAGES = ("train", "eval", "probe", "report", "ship")
 #: run name → (student attention, ablation, label)
 RUNS: dict[str, tuple[str, str | None, str]] = {
     "attnqat": ("attnqat", None, "Attn-QAT"),
@@ -121,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-offset", type=int, default=100,
                         help="first held-out prompt (0-99 chose the base model's checkpoint)")
     parser.add_argument("--eval-batch", type=int, default=200, help="prompts denoised together")
+    parser.add_argument("--probe-prompts", type=int, default=16,
+                        help="held-out prompts (from --eval-offset) of the probe stage, which measures "
+                             "per layer how much NVFP4 attention changes each weight set's "
+                             "self-attention outputs (PyTorch reference; runs on the CPU)")
     parser.add_argument("--eval-backend", choices=("auto", "torch", "triton"), default="auto",
                         help="attention kernels at inference")
     parser.add_argument("--workers", type=int, default=8,
@@ -292,6 +300,45 @@ def stage_eval(args, runs: list[str], configs: list[str]) -> int:
             f"{rec['score_s']} s scoring)")
         if weights != "base":
             del tr
+    return 0
+
+
+def stage_probe(args, runs: list[str]) -> int:
+    """``WORK/probe.json``: :func:`attn_probe.attention_errors` of the base and of every run whose
+    export exists, on the first ``--probe-prompts`` held-out prompts at the study's clip size
+    (weight sets already in the file are kept)."""
+    from attnqat.convert import load_wan_transformer
+    from attnqat.wan import load_models
+
+    from . import heldout
+    from .attn_probe import CAPTURE_STEPS, attention_errors
+
+    out = args.work / "probe.json"
+    rec = json.loads(out.read_text()) if out.is_file() else {}
+    todo = [w for w in ("base", *runs) if w not in rec.get("weights", {})
+            and (w == "base" or (args.work / "export" / w / "attnqat.json").is_file())]
+    if not todo:
+        log("probe: every weight set is probed already")
+        return 0
+    models = load_models(args.model, device=args.device)
+    inp = heldout.inputs(models, args.eval_offset, args.probe_prompts, size=args.size, frames=args.frames,
+                         backend="torch")
+    settings = {k: getattr(inp.settings[0], k) for k in ("steps", "guidance", "shift", "height", "width",
+                                                          "frames")}
+    if rec and rec["settings"] != settings:
+        log(f"{out} was made at other settings ({rec['settings']}); use another --work")
+        return 2
+    rec.update(settings=settings, first_prompt=args.eval_offset, capture_steps=list(CAPTURE_STEPS))
+    cfg = dict(models.pipe.transformer.config)
+    for w in todo:
+        t0 = time.perf_counter()
+        tr = models.pipe.transformer if w == "base" else load_wan_transformer(
+            args.work / "export" / w, config=cfg, dtype=models.pipe.transformer.dtype, device=models.device)[0]
+        rec.setdefault("weights", {})[w] = attention_errors(models, tr, inp, batch=args.eval_batch)
+        rec["date"], rec["device"] = now(), device_name(models.device)
+        out.write_text(json.dumps(rec, indent=1) + "\n")
+        log(f"probe {w}: NVFP4 attention off BF16 by {rec['weights'][w]['mean']:.4f} (mean over layers; "
+            f"{time.perf_counter() - t0:.1f} s)")
     return 0
 
 
@@ -481,6 +528,24 @@ def stage_report(args, runs: list[str], command: str) -> int:
         for (a, b), c in costs.items():
             lines.append(f"| {WEIGHTS[a]} | {WEIGHTS[b]} | {100 * c['cost_a']:+.1f} | {100 * c['cost_b']:+.1f} | "
                          f"{100 * c['diff']:+.1f} | [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] |")
+    probe = json.loads((args.work / "probe.json").read_text()) if (args.work / "probe.json").is_file() else None
+    if probe:
+        ps = probe["settings"]
+        names = {"base": "base", **{r: RUNS[r][2] for r in RUNS}}
+        lines += ["", "## 4-bit attention inside the model", "",
+                  f"Each self-attention layer's output with NVFP4 attention against BF16 attention on the "
+                  f"same queries, keys and values (relative error ‖Δ‖/‖O‖, PyTorch reference), captured "
+                  f"while denoising the first {next(iter(probe['weights'].values()))['prompts']} held-out "
+                  f"prompts ({ps['width']} × {ps['height']}, {ps['frames']} frames) at steps "
+                  f"{', '.join(str(s) for s in probe['capture_steps'])} of {ps['steps']}: how hard each "
+                  "weight set's attention inputs are to quantize (`attnqat repro --stages probe`).", "",
+                  "| weights | mean over layers | first layer | last layer | worst layer | first / last step |",
+                  "|---|---|---|---|---|---|"]
+        for w, r in probe["weights"].items():
+            st = list(r["by_step"].values())
+            lines.append(f"| {names.get(w, w)} | {r['mean']:.4f} | {r['layers'][0]:.4f} | {r['layers'][-1]:.4f} | "
+                         f"{max(r['layers']):.4f} (layer {int(np.argmax(r['layers']))}) | "
+                         f"{st[0]:.4f} / {st[-1]:.4f} |")
     lines += ["", "## Against the target", ""]
     q = verdicts.get(("qat-nvfp4", "base-bf16"))
     if q is not None:
@@ -611,8 +676,10 @@ def run(args: argparse.Namespace) -> int:
               f"stages: {', '.join(STAGES)}; runs: {', '.join(RUNS)}; configurations: "
               f"{', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    if args.steps < 1 or args.batch_size < 1 or args.eval_prompts < 1 or args.eval_offset < 0:
-        print("attnqat repro: --steps, --batch-size and --eval-prompts must be >= 1, --eval-offset >= 0",
+    if (args.steps < 1 or args.batch_size < 1 or args.eval_prompts < 1 or args.probe_prompts < 1
+            or args.eval_offset < 0):
+        print("attnqat repro: --steps, --batch-size, --eval-prompts and --probe-prompts must be >= 1, "
+              "--eval-offset >= 0",
               file=sys.stderr)
         return 2
     if (args.size is not None and (args.size < 16 or args.size % 16)) or \
@@ -623,7 +690,8 @@ def run(args: argparse.Namespace) -> int:
     command = command_line(args)
     for stage in stages:
         rc = {"train": lambda: stage_train(args, runs), "eval": lambda: stage_eval(args, runs, configs),
-              "report": lambda: stage_report(args, runs, command), "ship": lambda: stage_ship(args)}[stage]()
+              "probe": lambda: stage_probe(args, runs), "report": lambda: stage_report(args, runs, command),
+              "ship": lambda: stage_ship(args)}[stage]()
         if rc:
             return rc
     return 0

@@ -48,6 +48,23 @@ def test_cost_difference_pairs_the_four_outcomes_of_a_prompt():
         R.cost_difference(a_fp4, a_bf16[:5], b_fp4, b_bf16)
 
 
+def test_attention_probe_measures_the_method_against_bf16_and_restores_the_processor(tmp_path):
+    from attnqat.finetune import heldout
+    from attnqat.finetune.attn_probe import attention_errors
+    from attnqat.wan import get_processor, load_models
+
+    models = load_models(small_model(tmp_path / "small-wan"), device="cpu")
+    inp = heldout.inputs(models, 5, 2, steps=4)
+    tr = models.pipe.transformer
+    same = attention_errors(models, tr, inp, batch=2, steps=(0, 3), method="bf16")
+    assert same["mean"] == 0 and len(same["layers"]) == len(tr.blocks) and sorted(same["by_step"]) == [0, 3]
+    fp4 = attention_errors(models, tr, inp, batch=2, steps=(0, 3))
+    assert 0 < fp4["mean"] < 1 and fp4["calls"] == same["calls"]
+    assert "_attend" not in vars(get_processor(tr)) and get_processor(tr).method == "bf16"
+    with pytest.raises(ValueError, match="no self-attention call"):
+        attention_errors(models, tr, inp, batch=2, steps=(7,))
+
+
 def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     model = small_model(tmp_path / "small-wan")
     work, doc, ship = tmp_path / "work", tmp_path / "docs" / "repro.md", tmp_path / "qat"
@@ -55,7 +72,7 @@ def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
             "--batch-size", "2", "--warmup", "0", "--eval-prompts", "3", "--eval-offset", "5",
             "--eval-batch", "3", "--workers", "0", "--device", "cpu", "--doc", str(doc),
             "--ship-to", str(ship)]
-    assert R.main([*args, "--stages", "train,eval,report,ship"]) == 0
+    assert R.main([*args, "--probe-prompts", "2", "--stages", "train,eval,probe,report,ship"]) == 0
     assert sorted(p.name for p in (work / "export").iterdir()) == ["attnqat", "bf16", "p2off"]
     evals = sorted(p.stem for p in (work / "eval").iterdir())
     assert evals == sorted(["base-bf16", "base-nvfp4", "base-sage3", "qat-nvfp4", "qat-bf16",
@@ -67,6 +84,11 @@ def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     text = doc.read_text()
     assert "| Attn-QAT, NVFP4 attention |" in text and "McNemar" in text and "repro_curves.png" in text
     assert "## Robustness to 4-bit attention" in text and "| Attn-QAT | BF16 control |" in text
+    probe = json.loads((work / "probe.json").read_text())
+    assert sorted(probe["weights"]) == ["attnqat", "base", "bf16", "p2off"]
+    for r in probe["weights"].values():   # NVFP4 attention changes every layer's output, not wildly
+        assert r["prompts"] == 2 and all(0 < e < 1 for e in r["layers"]) and r["calls"] > 0
+    assert "## 4-bit attention inside the model" in text
     assert "attnqat finetune train" in text and "--ablation d_from_o" in text
     assert (doc.parent / "repro_curves.png").stat().st_size > 10_000
     side = json.loads((ship / "attnqat.json").read_text())
