@@ -32,7 +32,7 @@ import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -106,6 +106,10 @@ class AttnQATProcessor:
             ``torch.compile`` turn it off).
         ablation: an Attn-QAT backward ablation (:data:`attnqat.reference.ABLATIONS`) applied to
             the calls that run ``attnqat`` (training studies; PyTorch reference only).
+
+    Attribute ``observer``, when set, is called as ``observer(q, k, v, out, kind)`` after every
+    attention call (``kind``: ``"self"`` or ``"cross"``; tensors (B, S, H, D)) — measurements of
+    what the attention sees, e.g. :mod:`attnqat.finetune.attn_probe`.
     """
 
     def __init__(self, method: str = "bf16", fp4_scope: str = "self", backend: str = "auto",
@@ -120,6 +124,7 @@ class AttnQATProcessor:
         self.backend = backend
         self.timing = timing
         self.ablation = ablation
+        self.observer: Callable[..., None] | None = None
         self.reset_stats()
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -162,8 +167,8 @@ class AttnQATProcessor:
         key = f"{kind}:{method}"
         self.calls_by_method[key] = self.calls_by_method.get(key, 0) + 1
         if not self.timing:
-            return self._call(q, k, v, method)
-        if q.is_cuda:
+            out = self._call(q, k, v, method)
+        elif q.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = self._call(q, k, v, method)
@@ -171,10 +176,12 @@ class AttnQATProcessor:
             self._events.append((start, end))
             if len(self._events) >= _MAX_PENDING_EVENTS:  # long runs (training): bounded memory
                 self._fold_events()
-            return out
-        t0 = time.perf_counter()
-        out = self._call(q, k, v, method)
-        self._cpu_seconds += time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            out = self._call(q, k, v, method)
+            self._cpu_seconds += time.perf_counter() - t0
+        if self.observer is not None:
+            self.observer(q, k, v, out, kind)
         return out
 
     def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str) -> torch.Tensor:

@@ -24,41 +24,36 @@ def attention_errors(models, transformer, inp, *, batch: int, steps=CAPTURE_STEP
     self-attention call (all prompts of ``inp``, conditional and unconditional passes); also per
     captured step, averaged over layers. ``transformer`` is left routed to BF16 attention."""
     from attnqat.attention import attention
-    from attnqat.generate import denoise
     from attnqat.metrics import rel_error
     from attnqat.wan import get_processor, set_method
+
+    from . import heldout
 
     set_method(transformer, "bf16", backend="torch")
     proc = get_processor(transformer)
     n_layers = len(transformer.blocks)
     state = {"step": 0, "calls": 0}
     errs: dict[tuple[int, int], list[float]] = {}
-    plain = proc._attend
 
-    def attend(q, k, v, kind):
-        out = plain(q, k, v, kind)
+    def observe(q, k, v, out, kind):
         if kind == "self":
             layer = state["calls"] % n_layers
             state["calls"] += 1
             if state["step"] in steps:
                 fp4 = attention(q, k, v, method=method, backend="torch")
                 errs.setdefault((state["step"], layer), []).append(rel_error(fp4, out))
-        return out
-
-    def on_step(i: int) -> None:
-        state["step"] = i + 1
 
     s0 = inp.settings[0]
-    proc._attend = attend            # an instance attribute shadows the method while probing
+
+    def on_step(i: int) -> None:   # the step the next transformer call belongs to (0 for a new batch)
+        state["step"] = (i + 1) % s0.steps
+
+    proc.observer = observe
     try:
-        for i in range(0, len(inp.settings), batch):
-            sl = slice(i, i + batch)
-            state["step"] = 0
-            denoise(transformer, models.pipe.scheduler, inp.lat0[sl], inp.pe[sl],
-                    None if inp.ne is None else inp.ne[sl], steps=s0.steps, guidance=s0.guidance,
-                    shift=s0.shift, device=models.device, on_step=on_step)
+        for _ in heldout.denoise_batches(models, transformer, inp, batch, on_step):
+            pass
     finally:
-        del proc._attend
+        proc.observer = None
     if not errs:
         raise ValueError(f"no self-attention call captured at steps {steps} of {s0.steps}")
     layers = [float(np.mean([e for (_, l), v in errs.items() if l == layer for e in v]))

@@ -13,6 +13,7 @@ caption (:func:`attnqat.eval.procedural.score_clip`) in worker processes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,23 +57,31 @@ def inputs(models, first: int, n: int, *, steps: int | None = None, guidance: fl
     return HeldoutInputs(first, specs, prompts, settings, pe, ne, lat0)
 
 
+def denoise_batches(models, transformer, inp: HeldoutInputs, batch: int,
+                    on_step: Callable[[int], None] | None = None) -> Iterator[torch.Tensor]:
+    """The final latents of the prompts of ``inp``, ``batch`` prompts denoised together per
+    yielded tensor, with ``transformer`` as its attention is routed now (``on_step``: called after
+    every denoising step of every batch with the step's index)."""
+    from attnqat.generate import denoise
+
+    s0 = inp.settings[0]
+    for i in range(0, len(inp.settings), batch):
+        sl = slice(i, i + batch)
+        yield denoise(transformer, models.pipe.scheduler, inp.lat0[sl], inp.pe[sl],
+                      None if inp.ne is None else inp.ne[sl], steps=s0.steps, guidance=s0.guidance,
+                      shift=s0.shift, device=models.device, on_step=on_step)
+
+
 def generate_clips(models, transformer, inp: HeldoutInputs, method: str, backend: str,
                    batch: int) -> list[np.ndarray]:
     """One clip per prompt of ``inp`` with ``transformer`` and attention ``method``, ``batch``
     prompts denoised together."""
-    from attnqat.generate import decode, denoise
+    from attnqat.generate import decode
     from attnqat.wan import set_method
 
     set_method(transformer, method, backend=backend)
-    s0 = inp.settings[0]
-    clips: list[np.ndarray] = []
-    for i in range(0, len(inp.settings), batch):
-        sl = slice(i, i + batch)
-        lat = denoise(transformer, models.pipe.scheduler, inp.lat0[sl], inp.pe[sl],
-                      None if inp.ne is None else inp.ne[sl], steps=s0.steps, guidance=s0.guidance,
-                      shift=s0.shift, device=models.device)
-        clips += [decode(models, lat[j:j + 1]) for j in range(lat.shape[0])]
-    return clips
+    return [decode(models, lat[j:j + 1]) for lat in denoise_batches(models, transformer, inp, batch)
+            for j in range(lat.shape[0])]
 
 
 def _score(item: tuple[str, np.ndarray]) -> dict:

@@ -242,7 +242,6 @@ def _clip_record(score: dict) -> dict:
 
 
 def stage_eval(args, runs: list[str], configs: list[str]) -> int:
-    from attnqat.convert import load_wan_transformer
     from attnqat.wan import load_models
 
     from . import heldout
@@ -270,15 +269,10 @@ def stage_eval(args, runs: list[str], configs: list[str]) -> int:
     if (bad := _other_clip_size(done, {k: getattr(inp.settings[0], k) for k in asked})) is not None:
         return bad
     base_bf16 = _base_reference(args, models, inp)
-    cfg = dict(models.pipe.transformer.config)
     for c in todo:
         weights, method, _ = CONFIGS[c]
         t1 = time.perf_counter()
-        if weights == "base":
-            tr = models.pipe.transformer
-        else:
-            tr, _ = load_wan_transformer(args.work / "export" / weights, config=cfg,
-                                         dtype=models.pipe.transformer.dtype, device=models.device)
+        tr = _transformer(args, models, weights)
         clips = base_bf16 if c == "base-bf16" else heldout.generate_clips(
             models, tr, inp, method, args.eval_backend, args.eval_batch)
         t2 = time.perf_counter()
@@ -287,8 +281,7 @@ def stage_eval(args, runs: list[str], configs: list[str]) -> int:
                "device": device_name(models.device),
                "backend": args.eval_backend, "first_prompt": args.eval_offset,
                "prompts": inp.prompts, "seeds": [s.seed for s in inp.settings],
-               "settings": {k: getattr(inp.settings[0], k) for k in
-                            ("steps", "guidance", "shift", "height", "width", "frames")},
+               "settings": _settings(inp),
                "summary": heldout.summary_row(scores),
                "similarity_to_base_bf16": None if c == "base-bf16" else heldout.similarity(clips, base_bf16, args.workers),
                "clips": [_clip_record(s) for s in scores],
@@ -307,7 +300,6 @@ def stage_probe(args, runs: list[str]) -> int:
     """``WORK/probe.json``: :func:`attn_probe.attention_errors` of the base and of every run whose
     export exists, on the first ``--probe-prompts`` held-out prompts at the study's clip size
     (weight sets already in the file are kept)."""
-    from attnqat.convert import load_wan_transformer
     from attnqat.wan import load_models
 
     from . import heldout
@@ -323,23 +315,35 @@ def stage_probe(args, runs: list[str]) -> int:
     models = load_models(args.model, device=args.device)
     inp = heldout.inputs(models, args.eval_offset, args.probe_prompts, size=args.size, frames=args.frames,
                          backend="torch")
-    settings = {k: getattr(inp.settings[0], k) for k in ("steps", "guidance", "shift", "height", "width",
-                                                          "frames")}
+    settings = _settings(inp)
     if rec and rec["settings"] != settings:
         log(f"{out} was made at other settings ({rec['settings']}); use another --work")
         return 2
     rec.update(settings=settings, first_prompt=args.eval_offset, capture_steps=list(CAPTURE_STEPS))
-    cfg = dict(models.pipe.transformer.config)
     for w in todo:
         t0 = time.perf_counter()
-        tr = models.pipe.transformer if w == "base" else load_wan_transformer(
-            args.work / "export" / w, config=cfg, dtype=models.pipe.transformer.dtype, device=models.device)[0]
+        tr = _transformer(args, models, w)
         rec.setdefault("weights", {})[w] = attention_errors(models, tr, inp, batch=args.eval_batch)
         rec["date"], rec["device"] = now(), device_name(models.device)
         out.write_text(json.dumps(rec, indent=1) + "\n")
         log(f"probe {w}: NVFP4 attention off BF16 by {rec['weights'][w]['mean']:.4f} (mean over layers; "
             f"{time.perf_counter() - t0:.1f} s)")
     return 0
+
+
+def _settings(inp) -> dict:
+    """The generation settings every prompt of a held-out input set shares, as the records keep them."""
+    return {k: getattr(inp.settings[0], k) for k in ("steps", "guidance", "shift", "height", "width", "frames")}
+
+
+def _transformer(args, models, weights: str):
+    """The transformer of weight set ``weights``: the loaded base's, or a run's export."""
+    from attnqat.convert import load_wan_transformer
+
+    if weights == "base":
+        return models.pipe.transformer
+    return load_wan_transformer(args.work / "export" / weights, config=dict(models.pipe.transformer.config),
+                                dtype=models.pipe.transformer.dtype, device=models.device)[0]
 
 
 def _other_clip_size(done: dict[Path, dict], want: dict) -> int | None:
@@ -400,13 +404,17 @@ def paired(a: list[bool], b: list[bool], n_boot: int = 10000, seed: int = 0) -> 
     if x.shape != y.shape or not len(x):
         raise ValueError("paired comparison of unequal or empty outcome lists")
     only_a, only_b = int(((x == 1) & (y == 0)).sum()), int(((x == 0) & (y == 1)).sum())
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(x), size=(n_boot, len(x)))
-    boot = (x[idx] - y[idx]).mean(axis=1)
+    lo, hi = _bootstrap(x - y, n_boot, seed)
     p = sign_test(only_a, only_b) if only_a + only_b else 1.0   # McNemar = sign test of the discordant
-    return {"diff": float(x.mean() - y.mean()), "lo": float(np.quantile(boot, 0.025)),
-            "hi": float(np.quantile(boot, 0.975)), "only_a": only_a, "only_b": only_b, "p": p,
-            "n": len(x)}
+    return {"diff": float(x.mean() - y.mean()), "lo": lo, "hi": hi, "only_a": only_a, "only_b": only_b,
+            "p": p, "n": len(x)}
+
+
+def _bootstrap(d: np.ndarray, n_boot: int, seed: int) -> tuple[float, float]:
+    """95 % interval of the mean of per-prompt values ``d`` (prompts resampled with replacement)."""
+    idx = np.random.default_rng(seed).integers(0, len(d), size=(n_boot, len(d)))
+    boot = d[idx].mean(axis=1)
+    return float(np.quantile(boot, 0.025)), float(np.quantile(boot, 0.975))
 
 
 def cost_difference(a_fp4: list[bool], a_bf16: list[bool], b_fp4: list[bool], b_bf16: list[bool],
@@ -419,11 +427,9 @@ def cost_difference(a_fp4: list[bool], a_bf16: list[bool], b_fp4: list[bool], b_
     if len({len(o) for o in x}) != 1 or not len(x[0]):
         raise ValueError("cost difference of unequal or empty outcome lists")
     d = (x[0] - x[1]) - (x[2] - x[3])
-    idx = np.random.default_rng(seed).integers(0, len(d), size=(n_boot, len(d)))
-    boot = d[idx].mean(axis=1)
+    lo, hi = _bootstrap(d, n_boot, seed)
     return {"cost_a": float((x[0] - x[1]).mean()), "cost_b": float((x[2] - x[3]).mean()),
-            "diff": float(d.mean()), "lo": float(np.quantile(boot, 0.025)),
-            "hi": float(np.quantile(boot, 0.975)), "n": len(d)}
+            "diff": float(d.mean()), "lo": lo, "hi": hi, "n": len(d)}
 
 
 def _p(p: float, eq: str = "") -> str:

@@ -253,37 +253,38 @@ def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
     scale = D ** -0.5
     rows = []
     s2, s3 = dict(BM=128, num_warps=8, num_stages=2), dict(BM=128, num_warps=8, num_stages=3)
+    from .gluon_fwd import gluon_attention_forward  # noqa: PLC0415
+
+    def fwd(**kw):
+        return lambda: F.attention_forward(qf, kf, vf, sm_scale=scale, **kw)
+
     cases = [
-        ("no P quantizer           BM128/w8/s3", dict(p_mode=F.P_NONE, config=s3)),
-        ("block max + scale only   BM128/w8/s3", dict(p_mode=F.P_AMAX_ONLY, config=s3)),
-        ("element rounding only    BM128/w8/s3", dict(p_mode=F.P_ROUND_ONLY, config=s3)),
-        ("nvfp4                    BM128/w8/s2", dict(p_mode=F.P_NVFP4, config=s2)),
-        ("nvfp4                    BM128/w8/s3", dict(p_mode=F.P_NVFP4, config=s3), True),
-        ("nvfp4 + O' + stats       BM128/w8/s3", dict(p_mode=F.P_NVFP4, need_o2=True, store_stats=True,
+        ("no P quantizer           BM128/w8/s3", fwd(p_mode=F.P_NONE, config=s3)),
+        ("block max + scale only   BM128/w8/s3", fwd(p_mode=F.P_AMAX_ONLY, config=s3)),
+        ("element rounding only    BM128/w8/s3", fwd(p_mode=F.P_ROUND_ONLY, config=s3)),
+        ("nvfp4                    BM128/w8/s2", fwd(p_mode=F.P_NVFP4, config=s2)),
+        ("nvfp4                    BM128/w8/s3", fwd(p_mode=F.P_NVFP4, config=s3), True),
+        ("nvfp4 + O' + stats       BM128/w8/s3", fwd(p_mode=F.P_NVFP4, need_o2=True, store_stats=True,
                                                   config=s3), True),
-        ("sage3 P quantizer        BM128/w8/s3", dict(p_mode=F.P_SAGE3, config=s3)),
-        ("sage3 P quantizer + bias BM128/w8/s3", dict(p_mode=F.P_SAGE3, config=s3, bias=bias)),
-        ("packed, dequant in regs  BM128/w8/s3", dict(p_mode=F.P_NVFP4, packed=packed, formulation=1,
+        ("sage3 P quantizer        BM128/w8/s3", fwd(p_mode=F.P_SAGE3, config=s3)),
+        ("sage3 P quantizer + bias BM128/w8/s3", fwd(p_mode=F.P_SAGE3, config=s3, bias=bias)),
+        ("packed, dequant in regs  BM128/w8/s3", fwd(p_mode=F.P_NVFP4, packed=packed, formulation=1,
                                                   config=s3), True),
         # Triton's warp specialization of the key loop (a compile error is reported as the row)
-        ("nvfp4 warp-specialized   BM128/w8/s3", dict(p_mode=F.P_NVFP4, config=dict(s3, WARP_SPEC=True)), True),
-        ("nvfp4 warp-specialized   BM128/w4/s3", dict(p_mode=F.P_NVFP4, config=dict(s3, num_warps=4,
+        ("nvfp4 warp-specialized   BM128/w8/s3", fwd(p_mode=F.P_NVFP4, config=dict(s3, WARP_SPEC=True)), True),
+        ("nvfp4 warp-specialized   BM128/w4/s3", fwd(p_mode=F.P_NVFP4, config=dict(s3, num_warps=4,
                                                                                 WARP_SPEC=True)), True),
-        ("nvfp4 + O' + stats, w-s  BM128/w8/s3", dict(p_mode=F.P_NVFP4, need_o2=True, store_stats=True,
+        ("nvfp4 + O' + stats, w-s  BM128/w8/s3", fwd(p_mode=F.P_NVFP4, need_o2=True, store_stats=True,
                                                   config=dict(s3, WARP_SPEC=True)), True),
         # the hand-scheduled Gluon forward (producer warp, two ping-pong consumer warpgroups; Hopper)
-        ("gluon nvfp4 ping-pong    BM128/2 WG/s2", dict(gluon=True), True),
+        ("gluon nvfp4 ping-pong    BM128/2 WG/s2",
+         lambda: (gluon_attention_forward(qf, kf, vf, sm_scale=scale),), True),
     ]
     from attnqat import reference as ref  # noqa: PLC0415
     for case in cases:
-        name, kw, check = case[0], case[1], len(case) > 2
+        name, fn, check = case[0], case[1], len(case) > 2
         row = dict(name=name.strip())
         try:
-            if kw.get("gluon"):
-                from .gluon_fwd import gluon_attention_forward  # noqa: PLC0415
-                fn = lambda: (gluon_attention_forward(qf, kf, vf, sm_scale=scale),)  # noqa: E731
-            else:
-                fn = lambda kw=kw: F.attention_forward(qf, kf, vf, sm_scale=scale, **kw)  # noqa: E731
             o = fn()[0]
             ms = _bench(fn, rep_ms)
             row.update(ms=ms, tflops=flops / ms * 1e-9)

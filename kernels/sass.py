@@ -26,7 +26,7 @@ VARIANTS = {
     "nvfp4 + O' + stats (attnqat)": (1, True, False),
     "sage3 P quantizer": (2, False, False),
 }
-_INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+_INSN = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 _LABEL = re.compile(r"^\.(L_x_\d+):")
 _BRANCH = re.compile(r"BRA(?:\.\w+)*\s.*`\(\.(L_x_\d+)\)")
 
@@ -60,7 +60,7 @@ def compile_forward(arch: int, p_mode: int, need_o2: bool = False, warp_spec: bo
     if INTERPRET:
         raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted Python then, "
                            "not compiled; unset it to read their machine code")
-    B, S, H, D = shape
+    _, S, H, D = shape
     consts = dict(D=D, BM=BM, BN=128, P_MODE=p_mode, NEED_O2=need_o2, HAS_BIAS=False,
                   STORE_STATS=need_o2, FORMULATION=0, WARP_SPEC=warp_spec)
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "O2": "*fp32", "LSE2": "*fp32",
@@ -69,50 +69,75 @@ def compile_forward(arch: int, p_mode: int, need_o2: bool = False, warp_spec: bo
     ints = {"H": H, "Sq": S, "Skv": S, "n_qblk_bias": 0}
     for t in "qkvo":   # (B, S, H, D) strides of Q, K, V, O; the packed operands' strides are unused (0)
         ints.update(zip((f"s{t}b", f"s{t}s", f"s{t}h", f"s{t}d"), (S * H * D, H * D, D, 1)))
-    names = attn_fwd_kernel.arg_names
-    sig, constexprs, attrs = {}, {}, {}
-    for i, n in enumerate(names):
-        value = consts.get(n, ints.get(n, 0))
-        if n in consts or (n not in pointers and n != "qk_scale" and value == 1):
-            sig[n], constexprs[(i,)] = "constexpr", value
-        elif n in pointers:
-            sig[n], attrs[(i,)] = pointers[n], [["tt.divisibility", 16]]
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-            if value % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=attn_fwd_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    typed = {n: (t, True) for n, t in pointers.items()} | {"qk_scale": ("fp32", False)}
+    src = ASTSource(fn=attn_fwd_kernel, **_specialize(attn_fwd_kernel.arg_names, consts, typed, ints))
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
-def disassemble(cubin: bytes) -> str:
-    """``nvdisasm -c`` of a cubin, with the nvdisasm that ships in Triton's wheel."""
+def _specialize(names, consts: dict, typed: dict, ints: dict) -> dict:
+    """``signature``, ``constexprs`` and ``attrs`` of a kernel source as Triton's JIT derives them
+    from a launch: ``consts`` are constexpr; ``typed`` names get their type (name → (type, marked
+    16-divisible)); other arguments are integers (value from ``ints``, 0 when absent) — constexpr
+    when equal to 1, otherwise ``i32``, marked 16-divisible when they are."""
+    sig, constexprs, attrs = {}, {}, {}
+    for i, n in enumerate(names):
+        if n in consts:
+            sig[n], constexprs[(i,)] = "constexpr", consts[n]
+        elif n in typed:
+            sig[n] = typed[n][0]
+            if typed[n][1]:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ints.get(n, 0) == 1:
+            sig[n], constexprs[(i,)] = "constexpr", 1
+        else:
+            sig[n] = "i32"
+            if ints.get(n, 0) % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return dict(signature=sig, constexprs=constexprs, attrs=attrs)
+
+
+def _cuda_tool(name: str, args: list[str], cubin: bytes) -> str:
+    """The output of CUDA binary tool ``name`` (shipped in Triton's wheel) run on a cubin."""
     import triton  # noqa: PLC0415
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([tool, *args, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def parse(text: str) -> tuple[list[str], tuple[int, int] | None]:
-    """Opcodes in program order, and the main loop as (first, end) indices: of the loops (a branch
-    back to an earlier label), the one holding the most matrix-multiply instructions."""
+def disassemble(cubin: bytes) -> str:
+    """``nvdisasm -c`` of a cubin, with the nvdisasm that ships in Triton's wheel."""
+    return _cuda_tool("nvdisasm", ["-c"], cubin)
+
+
+def _scan(text: str):
+    """A disassembly's instructions in program order: (opcodes with their modifiers, the listing
+    lines, label → index of the next instruction, loops as (first, end) indices of a branch back
+    to an earlier label)."""
     ops: list[str] = []
+    lines: list[str] = []
     labels: dict[str, int] = {}
     loops: list[tuple[int, int]] = []
     for line in text.splitlines():
         if m := _LABEL.match(line):
             labels[m.group(1)] = len(ops)
         elif m := _INSN.match(line):
-            ops.append(m.group(2).split(".")[0])
+            ops.append(m.group(2))
+            lines.append(line)
             b = _BRANCH.search(line)
             if b and b.group(1) in labels:
                 loops.append((labels[b.group(1)], len(ops)))
+    return ops, lines, labels, loops
+
+
+def parse(text: str) -> tuple[list[str], tuple[int, int] | None]:
+    """Opcodes (without modifiers) in program order, and the main loop as (first, end) indices:
+    of the loops, the one holding the most matrix-multiply instructions."""
+    ops, _, _, loops = _scan(text)
+    ops = [op.split(".")[0] for op in ops]
     mma = lambda r: sum(op in ("HGMMA", "HMMA", "UTCHMMA", "UTCQMMA", "UTCOMMA") for op in ops[r[0]:r[1]])  # noqa: E731
     loops = [r for r in loops if mma(r)]
     return ops, (max(loops, key=mma) if loops else None)
@@ -180,23 +205,10 @@ def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = 
     consts = dict(D=D, STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"],
                   LOADER_REGS=cfg["LOADER_REGS"])
     ints = dict(sob=S * H * D, sos=H * D, soh=D, H=H, Sq=S, Skv=S)
-    sig, constexprs, attrs = {}, {}, {}
-    for i, n in enumerate(G.gluon_attn_fwd_kernel.arg_names):
-        if n in consts:
-            sig[n], constexprs[(i,)] = "constexpr", consts[n]
-        elif n in ("q_desc", "k_desc", "v_desc"):
-            sig[n] = desc_ty
-        elif n == "O":
-            sig[n], attrs[(i,)] = "*bf16", [["tt.divisibility", 16]]
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        elif ints[n] == 1:
-            sig[n], constexprs[(i,)] = "constexpr", 1
-        else:
-            sig[n] = "i32"
-            if ints[n] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn=G.gluon_attn_fwd_kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    typed = {"q_desc": (desc_ty, False), "k_desc": (desc_ty, False), "v_desc": (desc_ty, False),
+             "O": ("*bf16", True), "qk_scale": ("fp32", False)}
+    src = GluonASTSource(fn=G.gluon_attn_fwd_kernel,
+                         **_specialize(G.gluon_attn_fwd_kernel.arg_names, consts, typed, ints))
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=4, maxnreg=cfg["MAXNREG"]))
 
@@ -205,35 +217,17 @@ def gluon_facts(kernel, head_dim: int) -> dict:
     """What the compiled Gluon forward's SASS shows: per consumer key loop (the innermost backward
     branch around HGMMA and exponentials: S_j = D/16 and PV_{j-1} = 8 HGMMA), its static length, the
     length of the ragged-tile mask block it branches over (so ``loop - mask`` instructions run per
-    full tile), whether every HGMMA is issued
-    before the softmax's first exponential with no wgmma wait after the exponentials start (PV in
-    flight during the softmax), and the quantizer's rounding instructions; for the kernel, spills
-    (LDL/STL), registers (cuobjdump) and the ``setmaxnreg`` values in the PTX."""
-    import triton  # noqa: PLC0415
-
+    full tile), whether every HGMMA is issued before the softmax's first exponential with no wgmma
+    wait after the exponentials start (PV in flight during the softmax), and the quantizer's
+    rounding instructions; for the kernel, spills (LDL/STL), registers (cuobjdump) and the
+    ``setmaxnreg`` values in the PTX."""
     text = disassemble(kernel.asm["cubin"])
-    insn = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)$")
-    ops, labels, loops, lines = [], {}, [], []
-    for line in text.splitlines():
-        if m := _LABEL.match(line):
-            labels[m.group(1)] = len(ops)
-        elif m := insn.match(line):
-            ops.append(m.group(3))
-            lines.append(line)
-            b = _BRANCH.search(line)
-            if b and b.group(1) in labels:
-                loops.append((labels[b.group(1)], len(ops)))
+    ops, lines, labels, loops = _scan(text)
     facts = dict(total=len(ops), spill_instructions=sum(o.startswith(("LDL", "STL")) for o in ops),
                  setmaxnreg=[int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
                                                         kernel.asm["ptx"])],
                  consumer_loops=[])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                        "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    if m := re.search(r"REG:(\d+)", usage):
+    if m := re.search(r"REG:(\d+)", _cuda_tool("cuobjdump", ["-res-usage"], kernel.asm["cubin"])):
         facts["registers"] = int(m.group(1))
     facts["max_register_index"] = max((int(r) for r in re.findall(r"\bR(\d+)\b", text)), default=-1)
     for a, e in loops:
@@ -281,7 +275,6 @@ def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict
         facts["triton"] = triton.__version__
         report[D] = facts
     return report
-
 
 
 def print_gluon(report: dict) -> None:

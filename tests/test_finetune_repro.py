@@ -61,6 +61,7 @@ def test_attention_probe_measures_the_method_against_bf16_and_restores_the_proce
     fp4 = attention_errors(models, tr, inp, batch=2, steps=(0, 3))
     assert 0 < fp4["mean"] < 1 and fp4["calls"] == same["calls"]
     assert "_attend" not in vars(get_processor(tr)) and get_processor(tr).method == "bf16"
+    assert get_processor(tr).observer is None
     with pytest.raises(ValueError, match="no self-attention call"):
         attention_errors(models, tr, inp, batch=2, steps=(7,))
 
