@@ -85,6 +85,9 @@ def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     text = doc.read_text()
     assert "| Attn-QAT, NVFP4 attention |" in text and "McNemar" in text and "repro_curves.png" in text
     assert "## Robustness to 4-bit attention" in text and "| Attn-QAT | BF16 control |" in text
+    # the same-training comparison: 4-bit attention deployed against none anywhere
+    assert "| Attn-QAT, NVFP4 attention | BF16 control, BF16 attention |" in text
+    assert "QAT-NVFP4 against the BF16 control with BF16 attention" in text
     probe = json.loads((work / "probe.json").read_text())
     assert sorted(probe["weights"]) == ["attnqat", "base", "bf16", "p2off"]
     for r in probe["weights"].values():   # NVFP4 attention changes every layer's output, not wildly
