@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import importlib
 import json
 import statistics
 import sys
@@ -54,29 +53,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def _published_attention(folder: Path):
     """Route the processor's ``attnqat`` calls to the published kernel (bench only)."""
-    import attnqat.wan as wan
+    from attnqat import wan
+    from attnqat.kernels.bench import published_attention
 
-    sys.path.insert(0, str(folder))
-    mod = importlib.import_module("fastvideo_kernel.triton_kernels.attn_qat_train")
+    published = published_attention(folder)
     real = wan.attention
 
     def routed(q, k, v, method="bf16", softmax_scale=None, backend="auto", **kw):
         if method != "attnqat":
             return real(q, k, v, method=method, softmax_scale=softmax_scale, backend=backend, **kw)
-        scale = softmax_scale or q.shape[-1] ** -0.5
-        qb, kb, vb = (t.permute(0, 2, 1, 3).contiguous() for t in (q, k, v))
-        # the settings of FastVideo's ATTN_QAT_TRAIN backend: QAT forward, fake-quantized P in the
-        # backward, high-precision O for D, no smoothing, no global scales
-        o = mod.attention(qb, kb, vb, False, scale, True, False, True, True, False, True, True,
-                          False, False, False)
-        return o.permute(0, 2, 1, 3)
+        return published(q, k, v, softmax_scale)
 
     wan.attention = routed
     try:
         yield
     finally:
         wan.attention = real
-        sys.path.remove(str(folder))
 
 
 def bench_method(method: str, config: dict, ctx, *, height: int, width: int, frames: int,

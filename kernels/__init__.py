@@ -9,8 +9,9 @@ Contract with :func:`attnqat.attention` (backend ``"triton"`` / ``"auto"``):
 
 Modules: :mod:`.quantize` (NVFP4 quantize/pack), :mod:`.attention_fwd` (the fused 4-bit forward:
 ``nvfp4`` inference and the ``attnqat`` training forward with O'), :mod:`.attention_bwd` (the
-``attnqat`` and ``dropin`` backward), :mod:`.sage3` (SageAttention3 numerics), :mod:`.bench`
-(``attnqat bench kernels``).
+``attnqat`` and ``dropin`` backward), :mod:`.gluon_fwd` (the ``nvfp4`` forward hand-scheduled in
+Gluon for Hopper: same bits, what ``backend="auto"`` runs there), :mod:`.sage3` (SageAttention3
+numerics), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
 
 Supported: CUDA tensors (or the Triton interpreter, ``TRITON_INTERPRET=1``, through
 :func:`triton_attention` directly), bfloat16 or float16, head_dim 64 or 128, any sequence lengths
@@ -88,8 +89,33 @@ def _default_formulation(device: torch.device) -> int:
     return 0
 
 
-def nvfp4_forward(q, k, v, sm_scale: float, formulation: int | None = None, config=None):
-    """``nvfp4`` inference forward on (B, S, H, D) inputs, quantization included."""
+SCHEDULES = ("gluon", "triton")
+
+
+def _schedule(qf, kf, vf, schedule: str | None, config) -> str:
+    """Which kernel runs the formulation-0 ``nvfp4`` forward on its quantized operands: ``"gluon"``
+    (the hand-scheduled Hopper kernel of :mod:`.gluon_fwd`, bit-identical to the Triton kernel and
+    faster on an H100, docs/benchmarks.md) wherever it takes them, else ``"triton"``. Tile overrides
+    (``config``) are the Triton kernel's, so they select it. An explicit ``"gluon"`` that cannot
+    run raises instead of silently running the other kernel."""
+    if schedule not in (None, *SCHEDULES):
+        raise ValueError(f"schedule must be one of {SCHEDULES} or None (fastest here), got {schedule!r}")
+    if schedule == "triton" or (schedule is None and (config is not None or interpreting())):
+        return "triton"
+    from .gluon_fwd import gluon_unsupported  # noqa: PLC0415
+
+    why = gluon_unsupported(qf, kf, vf)
+    if why is None:
+        return "gluon"
+    if schedule == "gluon":
+        raise ValueError(f"the Gluon forward cannot run these inputs: {why}")
+    return "triton"
+
+
+def nvfp4_forward(q, k, v, sm_scale: float, formulation: int | None = None, config=None,
+                  schedule: str | None = None):
+    """``nvfp4`` inference forward on (B, S, H, D) inputs, quantization included.
+    ``schedule`` (formulation 0 only): ``"gluon"`` | ``"triton"`` | None (:func:`_schedule`)."""
     f = _default_formulation(q.device) if formulation is None else formulation
     if f not in (0, 1, 2):
         raise ValueError(f"formulation must be 0, 1 or 2, got {formulation!r}")
@@ -102,8 +128,14 @@ def nvfp4_forward(q, k, v, sm_scale: float, formulation: int | None = None, conf
         qf = fake_quantize_nvfp4(q, -1)
         kf = fake_quantize_nvfp4(k, -1)
         vf = fake_quantize_nvfp4(v, 1)
+        if _schedule(qf, kf, vf, schedule, config) == "gluon":
+            from .gluon_fwd import gluon_attention_forward  # noqa: PLC0415
+
+            return gluon_attention_forward(qf, kf, vf, sm_scale=sm_scale)
         o, _, _, _ = attention_forward(qf, kf, vf, sm_scale=sm_scale, p_mode=P_NVFP4, config=config)
     else:
+        if schedule == "gluon":
+            raise ValueError(f"the Gluon nvfp4 forward implements formulation 0 only, not {f}")
         packed = (quantize_nvfp4(q, -1), quantize_nvfp4(k, -1), quantize_nvfp4(v, 1))
         o, _, _, _ = attention_forward(q, k, v, sm_scale=sm_scale, p_mode=P_NVFP4, packed=packed,
                                        formulation=f, config=config)
@@ -150,7 +182,8 @@ class FP4TrainingAttention(torch.autograd.Function):
 
 
 def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None = None, *,
-                     formulation: int | None = None, config: dict | None = None) -> torch.Tensor:
+                     formulation: int | None = None, config: dict | None = None,
+                     schedule: str | None = None) -> torch.Tensor:
     """4-bit attention on the fused kernels. (B, Sq, H, D) in q's dtype.
 
     Raises ``ValueError`` naming the reason for inputs the kernels do not take (see
@@ -158,6 +191,8 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
     ``RuntimeError`` when gradients are requested from an inference-only method.
     ``formulation`` (nvfp4 only): 0 dequantized bfloat16 operands, 1 packed operands dequantized in
     registers, 2 ``tl.dot_scaled``; default: the fastest on this GPU. ``config``: tile overrides.
+    ``schedule`` (nvfp4, formulation 0): ``"gluon"`` the hand-scheduled Hopper kernel, ``"triton"``
+    the Triton kernel; default: Gluon wherever it takes the inputs (same bits, faster).
     """
     why = _why_not(q, k, v, method, allow_cpu=interpreting())
     if why is not None:
@@ -165,12 +200,14 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    if schedule is not None and method != "nvfp4":
+        raise ValueError(f"schedule applies to method 'nvfp4' only, not {method!r}")
     if method in ("nvfp4", "sage3"):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             raise RuntimeError(f"method {method!r} is inference-only and has no backward; use 'attnqat' "
                                "(Attn-QAT training) or 'dropin' (the ablation) to train with 4-bit attention, "
                                "or run under torch.no_grad()")
         if method == "nvfp4":
-            return nvfp4_forward(q, k, v, scale, formulation=formulation, config=config)
+            return nvfp4_forward(q, k, v, scale, formulation=formulation, config=config, schedule=schedule)
         return sage3.sage3_forward(q, k, v, scale, config=config)
     return FP4TrainingAttention.apply(q, k, v, scale, method, config)

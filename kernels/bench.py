@@ -25,14 +25,22 @@ WAN_SHAPES = {
     "wan1.3b-720p": dict(B=1, H=12, Sq=75600, Skv=75600, D=128),
     "wan-cross": dict(B=1, H=12, Sq=32760, Skv=512, D=128),
 }
-METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "sage3", "attnqat", "dropin")
+METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "nvfp4-triton", "sage3", "attnqat", "dropin")
+# ``nvfp4`` is what ``backend="auto"`` runs (the Gluon kernel on Hopper); ``nvfp4-triton`` forces the
+# Triton kernel, so one run shows what the Gluon schedule buys. ``published`` (with
+# ``--published-kernel DIR``) is the published Attn-QAT Triton training kernel, for scale.
+DEFAULT_METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "sage3", "attnqat", "dropin")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(WAN_SHAPES), choices=list(WAN_SHAPES),
                         help="shapes to time (B, H, Sq, Skv, D given in the JSON)")
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS),
-                        help="methods to time; sdpa-* are PyTorch SDPA in BF16 with one backend")
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
+                        help="methods to time; sdpa-* are PyTorch SDPA in BF16 with one backend; nvfp4 is "
+                             "what backend='auto' runs (Gluon on Hopper), nvfp4-triton the Triton kernel")
+    parser.add_argument("--published-kernel", default=None, metavar="DIR",
+                        help="folder holding the published Attn-QAT kernel package (fastvideo_kernel); adds "
+                             "its forward and forward+backward as method 'published', for scale")
     parser.add_argument("--no-backward", action="store_true", help="time forwards only")
     parser.add_argument("--rep-ms", type=float, default=300.0, help="timing budget per measurement (ms)")
     parser.add_argument("--variants", action="store_true",
@@ -96,11 +104,40 @@ def _sdpa(backend_name: str):
     return f
 
 
-def _method_fn(method: str):
+def published_attention(folder):
+    """The published Attn-QAT Triton training kernel (FastVideo's ``attn_qat_train``, imported from
+    ``folder``, a copy of its source supplied at run time; not part of this project) as a function
+    of (B, S, H, D) tensors with the settings of FastVideo's ``ATTN_QAT_TRAIN`` backend: QAT
+    forward, fake-quantized P in the backward, high-precision O for D, no smoothing, no global
+    scales. Differentiable. Used for scale by the kernel and training benchmarks."""
+    import importlib  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    folder = str(Path(folder).resolve())
+    if not (Path(folder) / "fastvideo_kernel").is_dir():
+        raise FileNotFoundError(f"{folder} holds no fastvideo_kernel package")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    mod = importlib.import_module("fastvideo_kernel.triton_kernels.attn_qat_train")
+
+    def attention(q, k, v, softmax_scale=None):
+        scale = softmax_scale or q.shape[-1] ** -0.5
+        qb, kb, vb = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        o = mod.attention(qb, kb, vb, False, scale, True, False, True, True, False, True, True,
+                          False, False, False)
+        return o.transpose(1, 2)
+    return attention
+
+
+def _method_fn(method: str, published: str | None = None):
     from attnqat import kernels  # noqa: PLC0415
 
     if method.startswith("sdpa"):
         return _sdpa(method)
+    if method == "published":
+        return published_attention(published)
+    if method == "nvfp4-triton":
+        return lambda q, k, v: kernels.triton_attention(q, k, v, method="nvfp4", schedule="triton")
     return lambda q, k, v: kernels.triton_attention(q, k, v, method=method)
 
 
@@ -108,9 +145,9 @@ def _method_fn(method: str):
 # The table
 # ----------------------------------------------------------------------------------------------
 
-def time_method(method: str, shape: dict, backward: bool, rep_ms: float) -> dict:
+def time_method(method: str, shape: dict, backward: bool, rep_ms: float, published: str | None = None) -> dict:
     B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
-    fn = _method_fn(method)
+    fn = _method_fn(method, published)
     flops = fwd_flops(B, H, Sq, Skv, D)
     if not backward:
         q, k, v = _inputs(B, H, Sq, Skv, D)
@@ -132,20 +169,21 @@ def time_method(method: str, shape: dict, backward: bool, rep_ms: float) -> dict
     return dict(pass_="forward+backward", ms=ms, tflops=3.5 * flops / ms * 1e-9, peak_bytes=peak)
 
 
-def run_table(shapes, methods, backward: bool, rep_ms: float) -> list[dict]:
+def run_table(shapes, methods, backward: bool, rep_ms: float, published: str | None = None) -> list[dict]:
     rows = []
+    methods = list(methods) + (["published"] if published else [])
     for sname in shapes:
         shape = WAN_SHAPES[sname]
         for method in methods:
             passes = [False]
-            if backward and method in ("sdpa-cudnn", "sdpa-flash", "attnqat", "dropin"):
+            if backward and method in ("sdpa-cudnn", "sdpa-flash", "attnqat", "dropin", "published"):
                 passes.append(True)
             if method == "dropin":
                 passes = [True] if backward else []
             for bw in passes:
                 row = dict(shape=sname, **shape, method=method)
                 try:
-                    row.update(time_method(method, shape, bw, rep_ms))
+                    row.update(time_method(method, shape, bw, rep_ms, published))
                 except Exception as exc:  # report and go on: one failure must not lose the table
                     row.update(pass_="forward+backward" if bw else "forward", error=f"{type(exc).__name__}: {exc}")
                 torch.cuda.empty_cache()
@@ -156,9 +194,9 @@ def run_table(shapes, methods, backward: bool, rep_ms: float) -> list[dict]:
 
 def _print_row(r: dict) -> None:
     if "error" in r:
-        print(f"{r['shape']:14s} {r['method']:11s} {r['pass_']:17s} ERROR {r['error'][:80]}", flush=True)
+        print(f"{r['shape']:14s} {r['method']:12s} {r['pass_']:17s} ERROR {r['error'][:80]}", flush=True)
     else:
-        print(f"{r['shape']:14s} {r['method']:11s} {r['pass_']:17s} {r['ms']:9.2f} ms {r['tflops']:7.1f} TFLOP/s "
+        print(f"{r['shape']:14s} {r['method']:12s} {r['pass_']:17s} {r['ms']:9.2f} ms {r['tflops']:7.1f} TFLOP/s "
               f"{r['peak_bytes'] / 2**30:7.2f} GiB", flush=True)
 
 
@@ -389,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
         print("## backward variants (wan1.3b-480p)", flush=True)
         result["backward_variants"] = time_backward_variants(args.rep_ms)
     print("## methods", flush=True)
-    result["rows"] = run_table(args.shapes, args.methods, not args.no_backward, args.rep_ms)
+    result["rows"] = run_table(args.shapes, args.methods, not args.no_backward, args.rep_ms, args.published_kernel)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

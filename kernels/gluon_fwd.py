@@ -25,10 +25,11 @@ the Triton kernel on sm_90 (docs/kernels_notes.md, "Closing the gap to cuDNN"):
 * The two consumers **ping-pong**: a pair of mbarriers hands the right to issue matrix multiplies
   back and forth, so that one warpgroup's softmax + quantizer overlaps the other one's MMAs.
 
-Arithmetic, operation for operation as in the Triton kernel (the P quantizer calls the very
-``@triton.jit`` helpers of :mod:`.quantize` — Gluon compiles their bodies with its own semantics,
-which is how ``gl.max``/``gl.sum`` themselves are defined — so the E4M3 scale, the reciprocal and the
-E2M1 rounding are the same operations in the same order, and the same rounding decisions):
+Arithmetic, operation for operation as in the Triton kernel (the P quantizer is the Triton kernel's
+own ``@triton.jit`` :func:`attention_fwd.quantize_p_rows` — Gluon compiles its body with its own
+semantics, which is how ``gl.max``/``gl.sum`` themselves are defined — so the E4M3 scale, the
+reciprocal and the E2M1 rounding are the same operations in the same order, and the same rounding
+decisions):
 
     s (fp32 wgmma, K-order as Triton's m64n128k16 chain);  tail keys ≥ Skv → −inf
     m_new = max(m, rowmax(s)·scale);  P̃ = exp2(s·scale − m_new);  α = exp2(m − m_new)
@@ -40,13 +41,14 @@ E2M1 rounding are the same operations in the same order, and the same rounding d
 The accumulator layout is the Triton kernel's (wgmma m64n128k16, 4 warps per 64 rows, the same
 thread ↔ element map), so the row reductions visit the same elements in the same order.
 
-Status: compiled for sm_90 on a CPU machine with Triton 3.6.0 (the GPU machine's version) and
-3.9.0 (the two spellings of the TMA load and of the shared-memory reinterpretation are picked at
-import); ``attnqat bench kernels --sass 90`` prints what its SASS shows (:func:`.sass.gluon_report`)
-and tests/test_kernels_gluon.py checks it. **It has never run on a GPU**: the numerics tests
-(``python -P -m pytest -m gpu tests/test_kernels_gluon.py``) and its row in ``attnqat bench kernels
---variants`` are written for the next GPU session. It is not wired into :func:`attnqat.attention`
-or ``backend="auto"``.
+Status: on an H100 (Triton 3.6.0, 2026-11-24) its outputs are bit-identical to the Triton
+kernel's (tests/test_kernels_gluon.py, random and outlier-heavy inputs, ragged tiles, the Wan
+shape), and at the Wan 1.3B 480p shape it takes 14.4–14.6 ms against the Triton kernel's 17.4
+(docs/benchmarks.md). ``backend="auto"`` runs it for the ``nvfp4`` forward wherever
+:func:`gluon_unsupported` accepts the inputs (:func:`attnqat.kernels._schedule`). It also compiles
+under Triton 3.9 (the two spellings of the TMA load and of the shared-memory reinterpretation are
+picked at import); ``attnqat bench kernels --sass 90`` reads its machine code without a GPU
+(:func:`.sass.gluon_report`).
 """
 
 from __future__ import annotations
@@ -54,8 +56,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_fwd import KV_TILE
-from .quantize import e2m1_round_fast, e4m3_round, fast_rcp
+from .attention_fwd import KV_TILE, P_NVFP4, quantize_p_rows
 
 try:  # Gluon is experimental: absent from older Triton builds
     from triton.experimental import gluon
@@ -82,6 +83,7 @@ BLOCK_M = 128      # queries per CTA: two consumer warpgroups of 64 rows
 BLOCK_N = 128      # keys per tile = KV_TILE, the running maximum's tile (fixed)
 _BM: tl.constexpr = tl.constexpr(BLOCK_M)       # the same two, visible inside the kernels
 _BN: tl.constexpr = tl.constexpr(BLOCK_N)
+_P_NVFP4: tl.constexpr = tl.constexpr(P_NVFP4)    # the P quantizer's mode, visible inside the kernels
 HEAD_DIMS = (64, 128)
 assert BLOCK_N == KV_TILE.value, "the key tile is the running maximum's tile (KV_TILE = 128 keys)"
 #: default launch: ring depth, registers of the second consumer and of the producer warp (the
@@ -90,16 +92,6 @@ CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
 
 
 if gluon is not None:
-
-    @gluon.jit
-    def _quantize_p(p, BM: gl.constexpr, BN: gl.constexpr):
-        """NVFP4 fake quantization of P̃ per 16 consecutive keys: :func:`attention_fwd.quantize_p_rows`
-        mode 1, line for line (the helpers are the Triton kernel's own)."""
-        p3 = gl.reshape(p, [BM, BN // 16, 16])
-        sc = e4m3_round(gl.max(p3, axis=2) * (1.0 / 6.0), False)
-        inv = fast_rcp(gl.maximum(sc, 0.0009765625))
-        q3 = e2m1_round_fast(p3 * inv[:, :, None]) * sc[:, :, None]
-        return gl.reshape(q3, [BM, BN])
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, start_n, Skv, qk_scale, s_layout: gl.constexpr,
@@ -112,7 +104,7 @@ if gluon is not None:
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
-        return m_new, l_i, alpha, _quantize_p(p, BM, BN)
+        return m_new, l_i, alpha, quantize_p_rows(p, BM, BN, _P_NVFP4)
 
     @gluon.jit
     def _turn_wait(turn, WG: gl.constexpr, event):
@@ -291,15 +283,16 @@ if gluon is not None:
 # Launch
 # ----------------------------------------------------------------------------------------------
 
-def gluon_unavailable() -> str | None:
-    """None when the Gluon forward can run here (Gluon importable, a CUDA sm_90 device), else why not."""
+def gluon_unavailable(device=None) -> str | None:
+    """None when the Gluon forward can run on ``device`` (default: the current CUDA device): Gluon
+    importable and a Hopper (sm_90) GPU; else why not."""
     if GLUON_IMPORT_ERROR is not None:
         return f"triton {triton.__version__} has no usable Gluon ({GLUON_IMPORT_ERROR})"
     import torch  # noqa: PLC0415
 
     if not torch.cuda.is_available():
         return "no CUDA device"
-    cap = torch.cuda.get_device_capability()
+    cap = torch.cuda.get_device_capability(device)
     if cap != (9, 0):
         return f"the Gluon forward is written for Hopper (sm_90); this device is sm_{cap[0]}{cap[1]}"
     return None
@@ -314,28 +307,29 @@ def tma_descriptor(t):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_N, 1, t.shape[3]], _smem_layout(t.shape[3]))
 
 
-def _check_inputs(q, k, v) -> None:
+def gluon_unsupported(q, k, v) -> str | None:
+    """None when :func:`gluon_attention_forward` runs these inputs here, else why not (one sentence)."""
     import torch  # noqa: PLC0415
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise RuntimeError(f"{name} must be (batch, seq, heads, head_dim), got shape {tuple(t.shape)}")
+            return f"{name} must be (batch, seq, heads, head_dim), got shape {tuple(t.shape)}"
         if t.dtype != torch.bfloat16:
-            raise RuntimeError(f"{name} is {t.dtype}; the Gluon forward takes bfloat16 operands")
+            return f"{name} is {t.dtype}; the Gluon forward takes bfloat16 operands"
         if not t.is_cuda:
-            raise RuntimeError(f"{name} is on {t.device.type}; the Gluon forward needs CUDA tensors")
+            return f"{name} is on {t.device.type}; the Gluon forward needs CUDA tensors"
         # TMA: unit stride along head_dim, every other stride and the base 16-byte aligned
         if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
-            raise RuntimeError(f"{name} (strides {tuple(t.stride())}) is not TMA-addressable: head_dim must "
-                               "be contiguous and the other strides multiples of 8 elements "
-                               "(call .contiguous() first)")
+            return (f"{name} (strides {tuple(t.stride())}) is not TMA-addressable: head_dim must be "
+                    "contiguous and the other strides multiples of 8 elements (call .contiguous() first)")
     B, _, H, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2] != H or k.shape[3] != D:
-        raise RuntimeError(f"shapes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        return f"shapes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if D not in HEAD_DIMS:
-        raise RuntimeError(f"head_dim {D} is not supported (64 or 128)")
+        return f"head_dim {D} is not supported (64 or 128)"
     if min(q.shape) == 0 or k.shape[1] == 0:
-        raise RuntimeError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+        return f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}"
+    return gluon_unavailable(q.device)
 
 
 def gluon_attention_forward(q, k, v, *, sm_scale: float, config: dict | None = None):
@@ -344,10 +338,9 @@ def gluon_attention_forward(q, k, v, *, sm_scale: float, config: dict | None = N
     Raises RuntimeError where Gluon or a Hopper GPU is missing, or the inputs do not fit."""
     import torch  # noqa: PLC0415
 
-    why = gluon_unavailable()
+    why = gluon_unsupported(q, k, v)
     if why is not None:
         raise RuntimeError(f"gluon_attention_forward cannot run: {why}")
-    _check_inputs(q, k, v)
     cfg = dict(CONFIG)
     cfg.update(config or {})
     B, Sq, H, D = q.shape

@@ -102,6 +102,24 @@ def test_launcher_refuses_without_a_hopper_gpu():
         G.gluon_attention_forward(q, q, q, sm_scale=0.125)
 
 
+def test_schedule_choice_on_the_cpu():
+    """Without a Hopper GPU the nvfp4 forward's default schedule is the Triton kernel; asking for
+    the Gluon one says why it cannot run rather than running the other kernel."""
+    from attnqat import kernels as K
+
+    q = torch.zeros(1, 128, 1, 64, dtype=torch.bfloat16)
+    assert K._schedule(q, q, q, None, None) == "triton"
+    assert K._schedule(q, q, q, "triton", None) == "triton"
+    with pytest.raises(ValueError, match="cannot run these inputs: q is on cpu"):
+        K._schedule(q, q, q, "gluon", None)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        K._schedule(q, q, q, "cudnn", None)
+    with pytest.raises(ValueError, match="formulation 0 only"):
+        K.nvfp4_forward(q, q, q, 0.125, formulation=1, schedule="gluon")
+    with pytest.raises(ValueError, match="'nvfp4' only"):
+        K.triton_attention(q, q, q, "sage3", schedule="gluon")
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU (Hopper): numerics
 # ----------------------------------------------------------------------------------------------
@@ -197,3 +215,27 @@ def test_rejects_what_tma_cannot_address():
     strided = torch.zeros(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16)[..., ::2]  # head_dim stride 2
     with pytest.raises(RuntimeError, match="TMA"):
         G.gluon_attention_forward(q, strided, q, sm_scale=0.125)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_auto_backend_runs_the_gluon_kernel(monkeypatch):
+    """``attnqat.attention(..., "nvfp4")`` with ``backend="auto"`` runs the Gluon kernel on Hopper
+    for bf16 inputs — bit-identical to the Triton schedule — and the Triton kernel for float16
+    (which the Gluon kernel does not take)."""
+    from attnqat import attention
+    from attnqat import kernels as K
+
+    calls = []
+    real = G.gluon_attention_forward
+    monkeypatch.setattr(G, "gluon_attention_forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    (q, k, v), _ = _operands(1, 700, 700, 2, 128, True, seed=7)
+    with torch.no_grad():
+        auto = attention(q, k, v, "nvfp4", backend="auto")
+        assert len(calls) == 1, "backend='auto' did not run the Gluon kernel on this Hopper GPU"
+        tri = K.triton_attention(q, k, v, "nvfp4", schedule="triton")
+        assert len(calls) == 1
+        assert torch.equal(auto, tri)
+        half = attention(q.half(), k.half(), v.half(), "nvfp4", backend="auto")
+    assert len(calls) == 1, "float16 inputs must take the Triton kernel"
+    assert half.dtype == torch.float16 and torch.isfinite(half.float()).all()
