@@ -564,20 +564,15 @@ def stage_report(args, runs: list[str], command: str) -> int:
                      + (" (it lies above: the fine-tuned weights are better than the base here, so the "
                         "comparison with the BF16 control below is the one that isolates 4-bit attention)."
                         if q["lo"] > 0 else "."))
-    q2 = verdicts.get(("qat-nvfp4", "base-nvfp4"))
-    if q2 is not None:
-        lines.append(f"- QAT-NVFP4 against base-NVFP4: {100 * q2['diff']:+.1f} points "
-                     f"[{100 * q2['lo']:+.1f}, {100 * q2['hi']:+.1f}], p {_p(q2['p'], '= ')}.")
-    q3 = verdicts.get(("qat-nvfp4", "control-nvfp4"))
-    if q3 is not None:
-        lines.append(f"- QAT-NVFP4 against the BF16 control with NVFP4 attention (what the extra "
-                     f"training alone gives): {100 * q3['diff']:+.1f} points "
-                     f"[{100 * q3['lo']:+.1f}, {100 * q3['hi']:+.1f}], p {_p(q3['p'], '= ')}.")
-    q4 = verdicts.get(("qat-nvfp4", "control-bf16"))
-    if q4 is not None:
-        lines.append(f"- QAT-NVFP4 against the BF16 control with BF16 attention (the same fine-tuning, "
-                     f"BF16 attention in training and inference): {100 * q4['diff']:+.1f} points "
-                     f"[{100 * q4['lo']:+.1f}, {100 * q4['hi']:+.1f}], p {_p(q4['p'], '= ')}.")
+    for b, against in (("base-nvfp4", "base-NVFP4"),
+                       ("control-nvfp4", "the BF16 control with NVFP4 attention (what the extra training "
+                                         "alone gives)"),
+                       ("control-bf16", "the BF16 control with BF16 attention (the same fine-tuning, BF16 "
+                                        "attention in training and inference)")):
+        v = verdicts.get(("qat-nvfp4", b))
+        if v is not None:
+            lines.append(f"- QAT-NVFP4 against {against}: {100 * v['diff']:+.1f} points "
+                         f"[{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}], p {_p(v['p'], '= ')}.")
     c = costs.get(("qat", "control"))
     if c is not None:
         lines.append(f"- Attn-QAT's own 4-bit cost against the BF16 control's (what training with 4-bit "

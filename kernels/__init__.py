@@ -92,14 +92,18 @@ def _default_formulation(device: torch.device) -> int:
 SCHEDULES = ("gluon", "triton")
 
 
+def _check_schedule(schedule) -> None:
+    if schedule not in (None, *SCHEDULES):
+        raise ValueError(f"schedule must be one of {SCHEDULES} or None (fastest here), got {schedule!r}")
+
+
 def _schedule(qf, kf, vf, schedule: str | None, config) -> str:
     """Which kernel runs the formulation-0 ``nvfp4`` forward on its quantized operands: ``"gluon"``
     (the hand-scheduled Hopper kernel of :mod:`.gluon_fwd`, bit-identical to the Triton kernel and
     faster on an H100, docs/benchmarks.md) wherever it takes them, else ``"triton"``. Tile overrides
     (``config``) are the Triton kernel's, so they select it. An explicit ``"gluon"`` that cannot
     run raises instead of silently running the other kernel."""
-    if schedule not in (None, *SCHEDULES):
-        raise ValueError(f"schedule must be one of {SCHEDULES} or None (fastest here), got {schedule!r}")
+    _check_schedule(schedule)
     if schedule == "triton" or (schedule is None and (config is not None or interpreting())):
         return "triton"
     from .gluon_fwd import gluon_unsupported  # noqa: PLC0415
@@ -116,6 +120,7 @@ def nvfp4_forward(q, k, v, sm_scale: float, formulation: int | None = None, conf
                   schedule: str | None = None):
     """``nvfp4`` inference forward on (B, S, H, D) inputs, quantization included.
     ``schedule`` (formulation 0 only): ``"gluon"`` | ``"triton"`` | None (:func:`_schedule`)."""
+    _check_schedule(schedule)   # here too: formulations 1 and 2 never reach _schedule
     f = _default_formulation(q.device) if formulation is None else formulation
     if f not in (0, 1, 2):
         raise ValueError(f"formulation must be 0, 1 or 2, got {formulation!r}")

@@ -116,6 +116,8 @@ def test_schedule_choice_on_the_cpu():
         K._schedule(q, q, q, "cudnn", None)
     with pytest.raises(ValueError, match="formulation 0 only"):
         K.nvfp4_forward(q, q, q, 0.125, formulation=1, schedule="gluon")
+    with pytest.raises(ValueError, match="schedule must be one of"):   # checked for every formulation
+        K.nvfp4_forward(q, q, q, 0.125, formulation=1, schedule="cudnn")
     with pytest.raises(ValueError, match="'nvfp4' only"):
         K.triton_attention(q, q, q, "sage3", schedule="gluon")
 
