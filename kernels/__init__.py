@@ -21,16 +21,16 @@ Supported: CUDA tensors (or the Triton interpreter, ``TRITON_INTERPRET=1``, thro
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from attnqat import reference as _ref
 
-from . import sage3
+from . import gluon_fwd, sage3
 from .attention_bwd import attention_backward
 from .attention_fwd import P_NVFP4, attention_forward
-from .quantize import fake_quantize_nvfp4, quantize_nvfp4
+from .gluon_fwd import check_schedule, choose_schedule
+from .quantize import INTERPRET, fake_quantize_nvfp4, quantize_nvfp4
 
 __all__ = ["triton_unsupported", "triton_attention", "quantize_nvfp4", "fake_quantize_nvfp4",
            "METHODS", "HEAD_DIMS", "DTYPES"]
@@ -44,8 +44,9 @@ if _ref.KV_TILE != 128:  # pragma: no cover - guards the definition shared with 
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``, read at
+    import, as the kernels read it)."""
+    return bool(INTERPRET.value)
 
 
 def _why_not(q, k, v, method: str, allow_cpu: bool) -> str | None:
@@ -89,38 +90,11 @@ def _default_formulation(device: torch.device) -> int:
     return 0
 
 
-SCHEDULES = ("gluon", "triton")
-
-
-def _check_schedule(schedule) -> None:
-    if schedule not in (None, *SCHEDULES):
-        raise ValueError(f"schedule must be one of {SCHEDULES} or None (fastest here), got {schedule!r}")
-
-
-def _schedule(qf, kf, vf, schedule: str | None, config) -> str:
-    """Which kernel runs the formulation-0 ``nvfp4`` forward on its quantized operands: ``"gluon"``
-    (the hand-scheduled Hopper kernel of :mod:`.gluon_fwd`, bit-identical to the Triton kernel and
-    faster on an H100, docs/benchmarks.md) wherever it takes them, else ``"triton"``. Tile overrides
-    (``config``) are the Triton kernel's, so they select it. An explicit ``"gluon"`` that cannot
-    run raises instead of silently running the other kernel."""
-    _check_schedule(schedule)
-    if schedule == "triton" or (schedule is None and (config is not None or interpreting())):
-        return "triton"
-    from .gluon_fwd import gluon_unsupported  # noqa: PLC0415
-
-    why = gluon_unsupported(qf, kf, vf)
-    if why is None:
-        return "gluon"
-    if schedule == "gluon":
-        raise ValueError(f"the Gluon forward cannot run these inputs: {why}")
-    return "triton"
-
-
 def nvfp4_forward(q, k, v, sm_scale: float, formulation: int | None = None, config=None,
                   schedule: str | None = None):
     """``nvfp4`` inference forward on (B, S, H, D) inputs, quantization included.
-    ``schedule`` (formulation 0 only): ``"gluon"`` | ``"triton"`` | None (:func:`_schedule`)."""
-    _check_schedule(schedule)   # here too: formulations 1 and 2 never reach _schedule
+    ``schedule`` (formulation 0 only): ``"gluon"`` | ``"triton"`` | None (:func:`.gluon_fwd.choose_schedule`)."""
+    check_schedule(schedule)   # here too: formulations 1 and 2 never reach choose_schedule
     f = _default_formulation(q.device) if formulation is None else formulation
     if f not in (0, 1, 2):
         raise ValueError(f"formulation must be 0, 1 or 2, got {formulation!r}")
@@ -133,10 +107,8 @@ def nvfp4_forward(q, k, v, sm_scale: float, formulation: int | None = None, conf
         qf = fake_quantize_nvfp4(q, -1)
         kf = fake_quantize_nvfp4(k, -1)
         vf = fake_quantize_nvfp4(v, 1)
-        if _schedule(qf, kf, vf, schedule, config) == "gluon":
-            from .gluon_fwd import gluon_attention_forward  # noqa: PLC0415
-
-            return gluon_attention_forward(qf, kf, vf, sm_scale=sm_scale)
+        if choose_schedule(qf, kf, vf, schedule, config) == "gluon":
+            return gluon_fwd.gluon_attention_forward(qf, kf, vf, sm_scale=sm_scale)
         o, _, _, _ = attention_forward(qf, kf, vf, sm_scale=sm_scale, p_mode=P_NVFP4, config=config)
     else:
         if schedule == "gluon":
@@ -196,8 +168,9 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
     ``RuntimeError`` when gradients are requested from an inference-only method.
     ``formulation`` (nvfp4 only): 0 dequantized bfloat16 operands, 1 packed operands dequantized in
     registers, 2 ``tl.dot_scaled``; default: the fastest on this GPU. ``config``: tile overrides.
-    ``schedule`` (nvfp4, formulation 0): ``"gluon"`` the hand-scheduled Hopper kernel, ``"triton"``
-    the Triton kernel; default: Gluon wherever it takes the inputs (same bits, faster).
+    ``schedule`` (nvfp4 formulation 0, sage3): ``"gluon"`` the hand-scheduled Hopper kernel,
+    ``"triton"`` the Triton kernel; default: Gluon wherever it takes the inputs (faster on an H100;
+    nvfp4: the same bits; sage3: the same arithmetic, its correction row added by the tensor cores).
     """
     why = _why_not(q, k, v, method, allow_cpu=interpreting())
     if why is not None:
@@ -205,8 +178,8 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    if schedule is not None and method != "nvfp4":
-        raise ValueError(f"schedule applies to method 'nvfp4' only, not {method!r}")
+    if schedule is not None and method not in ("nvfp4", "sage3"):
+        raise ValueError(f"schedule applies to the inference methods 'nvfp4' and 'sage3', not {method!r}")
     if method in ("nvfp4", "sage3"):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             raise RuntimeError(f"method {method!r} is inference-only and has no backward; use 'attnqat' "
@@ -214,5 +187,5 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
                                "or run under torch.no_grad()")
         if method == "nvfp4":
             return nvfp4_forward(q, k, v, scale, formulation=formulation, config=config, schedule=schedule)
-        return sage3.sage3_forward(q, k, v, scale, config=config)
+        return sage3.sage3_forward(q, k, v, scale, config=config, schedule=schedule)
     return FP4TrainingAttention.apply(q, k, v, scale, method, config)

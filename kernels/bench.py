@@ -25,9 +25,9 @@ WAN_SHAPES = {
     "wan1.3b-720p": dict(B=1, H=12, Sq=75600, Skv=75600, D=128),
     "wan-cross": dict(B=1, H=12, Sq=32760, Skv=512, D=128),
 }
-METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "nvfp4-triton", "sage3", "attnqat", "dropin")
-# ``nvfp4`` is what ``backend="auto"`` runs (the Gluon kernel on Hopper); ``nvfp4-triton`` forces the
-# Triton kernel, so one run shows what the Gluon schedule buys. ``published`` (with
+METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "nvfp4-triton", "sage3", "sage3-triton", "attnqat", "dropin")
+# ``nvfp4`` and ``sage3`` are what ``backend="auto"`` runs (the Gluon kernel on Hopper); ``*-triton``
+# forces the Triton kernel, so one run shows what the Gluon schedule buys. ``published`` (with
 # ``--published-kernel DIR``) is the published Attn-QAT Triton training kernel, for scale.
 DEFAULT_METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "sage3", "attnqat", "dropin")
 
@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(WAN_SHAPES), choices=list(WAN_SHAPES),
                         help="shapes to time (B, H, Sq, Skv, D given in the JSON)")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
-                        help="methods to time; sdpa-* are PyTorch SDPA in BF16 with one backend; nvfp4 is "
-                             "what backend='auto' runs (Gluon on Hopper), nvfp4-triton the Triton kernel")
+                        help="methods to time; sdpa-* are PyTorch SDPA in BF16 with one backend; nvfp4 and "
+                             "sage3 are what backend='auto' runs (Gluon on Hopper), *-triton the Triton kernel")
     parser.add_argument("--published-kernel", default=None, metavar="DIR",
                         help="folder holding the published Attn-QAT kernel package (fastvideo_kernel); adds "
                              "its forward and forward+backward as method 'published', for scale")
@@ -136,8 +136,9 @@ def _method_fn(method: str, published: str | None = None):
         return _sdpa(method)
     if method == "published":
         return published_attention(published)
-    if method == "nvfp4-triton":
-        return lambda q, k, v: kernels.triton_attention(q, k, v, method="nvfp4", schedule="triton")
+    if method.endswith("-triton"):
+        return lambda q, k, v: kernels.triton_attention(q, k, v, method=method[:-len("-triton")],
+                                                        schedule="triton")
     return lambda q, k, v: kernels.triton_attention(q, k, v, method=method)
 
 
@@ -285,6 +286,7 @@ def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
     packed = (kq.quantize_nvfp4(q, -1), kq.quantize_nvfp4(k, -1), kq.quantize_nvfp4(v, 1))
     from .sage3 import sage3_prepare  # noqa: PLC0415
     bias = sage3_prepare(q, k, v)[3]
+    parts = sage3_prepare(q, k, v, bias_parts=True)[3]
     prep_ms = _bench(lambda: sage3_prepare(q, k, v), rep_ms / 3)
     print(f"  {'sage3 preparation (means, bias, quantize)':48s} {prep_ms:8.2f} ms", flush=True)
     flops = fwd_flops(B, H, Sq, Skv, D)
@@ -317,6 +319,11 @@ def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
         # the hand-scheduled Gluon forward (producer warp, two ping-pong consumer warpgroups; Hopper)
         ("gluon nvfp4 ping-pong    BM128/2 WG/s2",
          lambda: (gluon_attention_forward(qf, kf, vf, sm_scale=scale),), True),
+        ("gluon nvfp4 ping-pong    BM128/2 WG/s3",
+         lambda: (gluon_attention_forward(qf, kf, vf, sm_scale=scale, config=dict(STAGES=3)),), True),
+        # sage3 on sage3_prepare's operands (the preparation is timed above)
+        ("gluon sage3 ping-pong    BM128/2 WG/s2",
+         lambda: (gluon_attention_forward(qf, kf, vf, sm_scale=scale, p_mode=F.P_SAGE3, bias=parts),)),
     ]
     from attnqat import reference as ref  # noqa: PLC0415
     for case in cases:

@@ -56,12 +56,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_fwd import KV_TILE, P_NVFP4, quantize_p_rows
+from .attention_fwd import KV_TILE, P_NVFP4, P_SAGE3, quantize_p_rows
+from .quantize import INTERPRET
 
 try:  # Gluon is experimental: absent from older Triton builds
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma,
@@ -74,7 +76,7 @@ try:  # Gluon is experimental: absent from older Triton builds
     _PUBLIC_REINTERPRET: tl.constexpr = tl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
     _tma_async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 except ImportError as _exc:  # pragma: no cover - depends on the installed Triton
-    gluon = gl = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = None
+    gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = None
     TensorDescriptor = None
     GLUON_IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
 
@@ -83,8 +85,17 @@ BLOCK_M = 128      # queries per CTA: two consumer warpgroups of 64 rows
 BLOCK_N = 128      # keys per tile = KV_TILE, the running maximum's tile (fixed)
 _BM: tl.constexpr = tl.constexpr(BLOCK_M)       # the same two, visible inside the kernels
 _BN: tl.constexpr = tl.constexpr(BLOCK_N)
-_P_NVFP4: tl.constexpr = tl.constexpr(P_NVFP4)    # the P quantizer's mode, visible inside the kernels
+_P_NVFP4: tl.constexpr = tl.constexpr(P_NVFP4)    # the P quantizer's modes, visible inside the kernels
+_P_SAGE3: tl.constexpr = tl.constexpr(P_SAGE3)
+#: sage3's correction row enters S as one more k-step of the S product: A = [64, 16] with ones in its
+#: first BIAS_PARTS columns, B = [16, 128] holding the row as BIAS_PARTS bf16 parts (hi, mid, lo),
+#: the other rows zero-filled by the TMA unit
+BIAS_PARTS = 3
+BIAS_K = 16
+_BIAS_PARTS: tl.constexpr = tl.constexpr(BIAS_PARTS)
+_BIAS_K: tl.constexpr = tl.constexpr(BIAS_K)
 HEAD_DIMS = (64, 128)
+SCHEDULES = ("gluon", "triton")
 assert BLOCK_N == KV_TILE.value, "the key tile is the running maximum's tile (KV_TILE = 128 keys)"
 #: default launch: ring depth, registers of the second consumer and of the producer warp (the
 #: first consumer, Gluon's "default partition", gets what is left of ``MAXNREG`` per warpgroup)
@@ -95,8 +106,9 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, start_n, Skv, qk_scale, s_layout: gl.constexpr,
-                      BM: gl.constexpr, BN: gl.constexpr):
-        """Online softmax of one key tile and the P quantizer; returns (m, l, α, P̃ᶠ fp32)."""
+                      BM: gl.constexpr, BN: gl.constexpr, P_MODE: gl.constexpr):
+        """Online softmax of one key tile and the P quantizer of ``P_MODE`` (nvfp4, or sage3's
+        two-level one, 2688× too large); returns (m, l, α, P̃ᶠ fp32)."""
         if start_n + BN > Skv:  # the ragged last tile: keys beyond Skv masked out
             offs_n = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             s = gl.where((offs_n < Skv)[None, :], s, float("-inf"))
@@ -104,7 +116,7 @@ if gluon is not None:
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
-        return m_new, l_i, alpha, quantize_p_rows(p, BM, BN, _P_NVFP4)
+        return m_new, l_i, alpha, quantize_p_rows(p, BM, BN, P_MODE)
 
     @gluon.jit
     def _turn_wait(turn, WG: gl.constexpr, event):
@@ -120,10 +132,23 @@ if gluon is not None:
         mbarrier.arrive(turn.index(1 - WG), count=1)
 
     @gluon.jit
-    def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+    def _issue_s(q, k_tile, bias_tile, ones, s_init, HAS_BIAS: gl.constexpr):
+        """Issue S_j = Q K_jᵀ as asynchronous wgmma; sage3 (HAS_BIAS): plus its correction row as
+        one more k-step, ones[64, 16] · bias_tile[16, 128] = hi + mid + lo of each key's
+        correction, accumulated onto Q K_jᵀ in float32 (the Triton kernel adds the float32 row after
+        the product: the same sum, rounded by the tensor core instead of FADD)."""
+        s_tok = warpgroup_mma(q, k_tile.permute((1, 0)), s_init, use_acc=False, is_async=True)
+        if HAS_BIAS:
+            s_tok = warpgroup_mma(ones, bias_tile, s_tok, is_async=True)
+        return s_tok
+
+    @gluon.jit
+    def _consumer(q_smem, k_smem, v_smem, b_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                   O, sob, sos, soh, b, h, m0, Sq, Skv, qk_scale,
-                  WG: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-        """One consumer warpgroup: query rows [m0 + 64·WG, m0 + 64·WG + 64)."""
+                  WG: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, P_MODE: gl.constexpr,
+                  HAS_BIAS: gl.constexpr):
+        """One consumer warpgroup: query rows [m0 + 64·WG, m0 + 64·WG + 64). ``b_smem``: sage3's
+        correction tiles (HAS_BIAS), else a placeholder never read."""
         HM: gl.constexpr = _BM // 2
         BN: gl.constexpr = _BN
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -137,18 +162,17 @@ if gluon is not None:
         l_i = gl.zeros([HM], gl.float32, layout=gl.SliceLayout(1, s_layout))
         s_init = gl.zeros([HM, BN], gl.float32, layout=s_layout)   # ignored (use_acc=False)
         n_tiles = gl.cdiv(Skv, BN)
-
         mbarrier.wait(q_bar, 0)
         q = q_smem.slice(WG * HM, HM)                                 # [64, D]
 
         # prologue: S_0 and its softmax
         mbarrier.wait(k_ready.index(0), 0)
         _turn_wait(turn, WG, 0)
-        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_init, use_acc=False, is_async=True)
+        s_tok = _issue_s(q, k_smem.index(0), b_smem.index(0), ones, s_init, HAS_BIAS)
         _turn_pass(turn, WG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0), count=1)
-        m_i, l_i, alpha, pq = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN)
+        m_i, l_i, alpha, pq = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, P_MODE)
         p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)   # exact: ≤ 6 significant bits
         # Exactly one PV group is in flight at the top of every iteration (ptxas serializes all
         # wgmma otherwise): before the first, a zero product 0·V_0 stands in for PV_{-1}. (0·V_0 = 0
@@ -169,14 +193,13 @@ if gluon is not None:
             _turn_wait(turn, WG, j)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok])             # PV_{j-2}
             mbarrier.arrive(v_empty.index((j + STAGES - 2) % STAGES), count=1, pred=j >= 2)
-            s_tok = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_init, use_acc=False,
-                                  is_async=True)
+            s_tok = _issue_s(q, k_smem.index(stage), b_smem.index(stage), ones, s_init, HAS_BIAS)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
             acc_tok = warpgroup_mma(p_next, v_smem.index(pstage), acc, is_async=True)  # PV_{j-1}
             _turn_pass(turn, WG)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])                   # S_j
             mbarrier.arrive(k_empty.index(stage), count=1)
-            m_i, l_i, alpha, pq = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN)
+            m_i, l_i, alpha, pq = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN, P_MODE)
             p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)
 
         # epilogue: the last P̃ᶠ V
@@ -191,7 +214,10 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc_tok])
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
 
-        inv_l = 1.0 / l_i
+        if P_MODE == _P_SAGE3:
+            inv_l = 1.0 / (l_i * 2688.0)  # sage3's level-1 scale, kept out of P̃ᶠ (the Triton epilogue's)
+        else:
+            inv_l = 1.0 / l_i
         out = (acc * gl.convert_layout(inv_l, row_o)[:, None]).to(gl.bfloat16)
         offs_m = m0 + WG * HM + gl.arange(0, HM, layout=row_o)
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
@@ -200,7 +226,7 @@ if gluon is not None:
 
     @gluon.jit
     def _tma_load(desc, coord, bar, buf):
-        """TMA load of the descriptor's [1, 128, 1, D] box at ``coord`` into the [128, D] buffer."""
+        """TMA load of the descriptor's box at ``coord`` into ``buf`` (the box without its unit dims)."""
         _tma_async_load(desc, coord, bar, _as_box(buf, desc))   # 3.6: async_copy_global_to_shared
 
     @gluon.jit
@@ -212,20 +238,36 @@ if gluon is not None:
             return buf._reinterpret(desc.dtype, desc.block_type.shape, desc.layout)
 
     @gluon.jit
-    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-                v_empty, b, h, m0, Skv, STAGES: gl.constexpr):
-        """The producer warp: Q once, then K_j and V_j through the ring (TMA, zero-filled past Skv)."""
+    def _loader(q_desc, k_desc, v_desc, b_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_ready, k_empty,
+                v_ready, v_empty, b, h, m0, bias_row, Skv, STAGES: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """The producer warp: Q once, then K_j (sage3: with its correction tile, on K_j's barriers)
+        and V_j through the ring (TMA, zero-filled past Skv)."""
         BN: gl.constexpr = _BN
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         _tma_load(q_desc, [b, m0, h, 0], q_bar, q_smem)
         # K_{j+1} is issued before V_j: V slots are released half an iteration later than K slots
         # (after PV, not after S), and K_{j+1} must not queue behind them
         n_tiles = gl.cdiv(Skv, BN)
-        _load_tile(k_desc, k_smem, k_ready, k_empty, b, h, 0, STAGES)
+        _load_k_tile(k_desc, k_smem, b_desc, b_smem, k_ready, k_empty, b, h, bias_row, 0, STAGES, HAS_BIAS)
         for j in range(n_tiles):
             if j + 1 < n_tiles:
-                _load_tile(k_desc, k_smem, k_ready, k_empty, b, h, j + 1, STAGES)
+                _load_k_tile(k_desc, k_smem, b_desc, b_smem, k_ready, k_empty, b, h, bias_row, j + 1, STAGES,
+                             HAS_BIAS)
             _load_tile(v_desc, v_smem, v_ready, v_empty, b, h, j, STAGES)
+
+    @gluon.jit
+    def _load_k_tile(k_desc, k_smem, b_desc, b_smem, ready, empty, b, h, bias_row, j, STAGES: gl.constexpr,
+                     HAS_BIAS: gl.constexpr):
+        """K_j; sage3 (HAS_BIAS): and its correction tile [16 (3 parts, the rest zero-filled), 128]
+        from row ``bias_row`` of the (B·H·⌈Sq/128⌉, 3, Skv') parts tensor, on the same barrier."""
+        if HAS_BIAS:
+            stage = j % STAGES
+            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, j * _BN, h, 0], ready.index(stage), k_smem.index(stage))
+            _tma_load(b_desc, [bias_row, 0, j * _BN], ready.index(stage), b_smem.index(stage))
+        else:
+            _load_tile(k_desc, k_smem, ready, empty, b, h, j, STAGES)
 
     @gluon.jit
     def _load_tile(desc, bufs, ready, empty, b, h, j, STAGES: gl.constexpr):
@@ -239,20 +281,61 @@ if gluon is not None:
     def gluon_attn_fwd_kernel(q_desc, k_desc, v_desc, O, sob, sos, soh, H, Sq, Skv, qk_scale,
                               D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                               LOADER_REGS: gl.constexpr):
-        """Grid (cdiv(Sq, 128), B·H), ``num_warps=4`` (+ 4 + 1 worker warps). Q/K/V descriptors:
-        (B, S, H, D) views with a [1, 128, 1, D] box; O: (B, Sq, H, D) bf16 with head_dim stride 1."""
+        """The ``nvfp4`` forward. Grid (cdiv(Sq, 128), B·H), ``num_warps=4`` (+ 4 + 1 worker warps).
+        Q/K/V descriptors: (B, S, H, D) views with a [1, 128, 1, D] box; O: (B, Sq, H, D) bf16 with
+        head_dim stride 1."""
+        _attn_fwd(q_desc, k_desc, v_desc, k_desc, O, sob, sos, soh, H, Sq, Skv, qk_scale,
+                  D, STAGES, CONSUMER_REGS, LOADER_REGS, _P_NVFP4, False)
+
+    @gluon.jit
+    def gluon_sage3_fwd_kernel(q_desc, k_desc, v_desc, b_desc, O, sob, sos, soh, H, Sq, Skv, qk_scale,
+                               D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                               LOADER_REGS: gl.constexpr):
+        """The ``sage3`` forward: :func:`gluon_attn_fwd_kernel`'s launch plus ``b_desc``, a 3-D
+        descriptor of the correction's bf16 parts (B·H·⌈Sq/128⌉, 3, Skv rounded up to 8) with a
+        [1, 16, 128] box (:func:`.sage3.sage3_prepare` with ``bias_parts=True``). A kernel of its own
+        rather than flags on one: the nvfp4 kernel's signature and machine code stay as they were."""
+        _attn_fwd(q_desc, k_desc, v_desc, b_desc, O, sob, sos, soh, H, Sq, Skv, qk_scale,
+                  D, STAGES, CONSUMER_REGS, LOADER_REGS, _P_SAGE3, True)
+
+    @gluon.jit
+    def _attn_fwd(q_desc, k_desc, v_desc, b_desc, O, sob, sos, soh, H, Sq, Skv, qk_scale,
+                  D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                  LOADER_REGS: gl.constexpr, P_MODE: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """Both kernels' body: shared memory, barriers and the three partitions (without HAS_BIAS,
+        ``b_desc`` is a placeholder never read)."""
         gl.static_assert(D == 64 or D == 128, "head_dim must be 64 or 128")
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)
         b = bh // H
         h = bh % H
         m0 = pid_m * _BM
+        # sage3: the CTA's 128 queries are one smoothing block, whose correction is parts row
+        # bh·⌈Sq/128⌉ + pid_m
+        bias_row = bh * gl.num_programs(0) + pid_m
 
         # 2-D buffers for the MMAs (the TMA writes them through 4-D views of the same bytes)
         smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, D], gl.bfloat16)
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [_BM, D], smem_layout)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], smem_layout)
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], smem_layout)
+        if HAS_BIAS:
+            b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BIAS_K, _BN], gl.bfloat16)
+            b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BIAS_K, _BN], b_layout)
+            # the A operand of the correction's k-step, [64, 16] with ones in the first 3 columns,
+            # in shared memory (a register operand there made newer ptxas serialize every wgmma)
+            one_layout: gl.constexpr = gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0])
+            part = gl.arange(0, _BIAS_K, layout=gl.SliceLayout(0, one_layout))
+            ones_val = gl.where((part < _BIAS_PARTS)[None, :],
+                                gl.full([_BM // 2, _BIAS_K], 1.0, gl.bfloat16, one_layout),
+                                gl.zeros([_BM // 2, _BIAS_K], gl.bfloat16, one_layout))
+            ones = gl.allocate_shared_memory(gl.bfloat16, [_BM // 2, _BIAS_K],
+                                             gl.NVMMASharedLayout.get_default_for([_BM // 2, _BIAS_K], gl.bfloat16),
+                                             ones_val)
+            fence_async_shared()
+        else:
+            b_smem = k_smem   # placeholders, never read
+            ones = q_smem
 
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -270,12 +353,12 @@ if gluon is not None:
         mbarrier.init(turn.index(1), count=1)
 
         gl.warp_specialize([
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                         O, sob, sos, soh, b, h, m0, Sq, Skv, qk_scale, 0, D, STAGES)),
-            (_consumer, (q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                         O, sob, sos, soh, b, h, m0, Sq, Skv, qk_scale, 1, D, STAGES)),
-            (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                       b, h, m0, Skv, STAGES)),
+            (_consumer, (q_smem, k_smem, v_smem, b_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                         O, sob, sos, soh, b, h, m0, Sq, Skv, qk_scale, 0, D, STAGES, P_MODE, HAS_BIAS)),
+            (_consumer, (q_smem, k_smem, v_smem, b_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                         O, sob, sos, soh, b, h, m0, Sq, Skv, qk_scale, 1, D, STAGES, P_MODE, HAS_BIAS)),
+            (_loader, (q_desc, k_desc, v_desc, b_desc, q_smem, k_smem, v_smem, b_smem, q_bar, k_ready, k_empty,
+                       v_ready, v_empty, b, h, m0, bias_row, Skv, STAGES, HAS_BIAS)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -307,8 +390,16 @@ def tma_descriptor(t):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_N, 1, t.shape[3]], _smem_layout(t.shape[3]))
 
 
+def bias_descriptor(parts):
+    """3-D TMA descriptor of sage3's correction parts (rows, 3, Skv'), box [1, 16, 128]: the rows
+    past the 3 parts and the keys past Skv' are zero-filled by the TMA unit."""
+    box = [1, BIAS_K, BLOCK_N]
+    return TensorDescriptor(parts, list(parts.shape), list(parts.stride()), box,
+                            gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
+
+
 def gluon_unsupported(q, k, v) -> str | None:
-    """None when :func:`gluon_attention_forward` runs these inputs here, else why not (one sentence)."""
+    """None when :func:`gluon_attention_forward` runs these operands here, else why not (one sentence)."""
     import torch  # noqa: PLC0415
 
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -332,13 +423,69 @@ def gluon_unsupported(q, k, v) -> str | None:
     return gluon_unavailable(q.device)
 
 
-def gluon_attention_forward(q, k, v, *, sm_scale: float, config: dict | None = None):
-    """O (bf16, (B, Sq, H, D)) of the ``nvfp4`` forward for bf16 operands that already hold their
-    NVFP4-dequantized values, as ``attention_forward(q, k, v, sm_scale=…, p_mode=1)[0]``.
-    Raises RuntimeError where Gluon or a Hopper GPU is missing, or the inputs do not fit."""
+def bias_parts_shape(B: int, H: int, Sq: int, Skv: int) -> tuple[int, int, int]:
+    """Shape of sage3's correction as the Gluon kernel reads it: one row of 3 bf16 parts (hi, mid,
+    lo: float32's 24 bits) per (batch, head, 128-query block) and key, keys padded to a multiple
+    of 8 (TMA row strides are multiples of 16 bytes)."""
+    return (B * H * triton.cdiv(Sq, BLOCK_M), BIAS_PARTS, triton.cdiv(Skv, 8) * 8)
+
+
+def _bias_unsupported(q, k, p_mode: int, bias) -> str | None:
+    """Why ``p_mode`` and ``bias`` are not one of the two methods the kernel computes, or None:
+    ``nvfp4`` without a bias; ``sage3`` with its correction in :func:`bias_parts_shape` form."""
     import torch  # noqa: PLC0415
 
-    why = gluon_unsupported(q, k, v)
+    if p_mode not in (P_NVFP4, P_SAGE3):
+        return f"p_mode {p_mode!r} is neither nvfp4 ({P_NVFP4}) nor sage3 ({P_SAGE3})"
+    if p_mode == P_NVFP4:
+        return None if bias is None else f"nvfp4 (p_mode {P_NVFP4}) takes no bias"
+    if not isinstance(bias, torch.Tensor):
+        return (f"sage3 (p_mode {P_SAGE3}) needs its correction as bf16 parts "
+                f"(sage3_prepare(..., bias_parts=True)), got {type(bias).__name__}")
+    B, Sq, H, _ = q.shape
+    want = bias_parts_shape(B, H, Sq, k.shape[1])
+    if bias.dtype != torch.bfloat16 or tuple(bias.shape) != want:
+        return (f"sage3's correction must be bf16 parts of shape {want} (sage3_prepare(..., "
+                f"bias_parts=True)), got {bias.dtype} {tuple(bias.shape)}")
+    if bias.device != q.device or not bias.is_contiguous():
+        return f"sage3's correction must be contiguous on {q.device}"
+    return None
+
+
+def check_schedule(schedule) -> None:
+    """ValueError unless ``schedule`` is one of :data:`SCHEDULES` or None."""
+    if schedule not in (None, *SCHEDULES):
+        raise ValueError(f"schedule must be one of {SCHEDULES} or None (fastest here), got {schedule!r}")
+
+
+def choose_schedule(qf, kf, vf, schedule: str | None, config) -> str:
+    """Which kernel runs a forward on prepared operands (``nvfp4`` formulation 0, or ``sage3``):
+    ``"gluon"`` (this module's kernel: on an H100 faster, docs/benchmarks.md) wherever it takes the
+    operands, else ``"triton"``. Tile overrides (``config``) are the Triton kernel's, so they select
+    it; so does the Triton interpreter. An explicit ``"gluon"`` that cannot run raises ValueError
+    instead of silently running the other kernel."""
+    check_schedule(schedule)
+    if schedule == "triton" or (schedule is None and (config is not None or INTERPRET.value)):
+        return "triton"
+    why = gluon_unsupported(qf, kf, vf)
+    if why is None:
+        return "gluon"
+    if schedule == "gluon":
+        raise ValueError(f"the Gluon forward cannot run these inputs: {why}")
+    return "triton"
+
+
+def gluon_attention_forward(q, k, v, *, sm_scale: float, p_mode: int = P_NVFP4, bias=None,
+                            config: dict | None = None):
+    """O (bf16, (B, Sq, H, D)) of the ``nvfp4`` forward (``p_mode=P_NVFP4``) or of the ``sage3``
+    forward (``p_mode=P_SAGE3``, ``bias`` = the correction's bf16 parts) for bf16 operands that
+    already hold their quantized values (the NVFP4-dequantized Q, K, V or those of
+    :func:`.sage3.sage3_prepare`), as the Triton kernel's ``attention_forward(q, k, v, sm_scale=…,
+    p_mode=…, bias=…)[0]`` (which takes the float32 correction). ``config``: :data:`CONFIG`
+    overrides. Raises RuntimeError where Gluon or a Hopper GPU is missing, or the inputs do not fit."""
+    import torch  # noqa: PLC0415
+
+    why = gluon_unsupported(q, k, v) or _bias_unsupported(q, k, p_mode, bias)
     if why is not None:
         raise RuntimeError(f"gluon_attention_forward cannot run: {why}")
     cfg = dict(CONFIG)
@@ -347,9 +494,12 @@ def gluon_attention_forward(q, k, v, *, sm_scale: float, config: dict | None = N
     Skv = k.shape[1]
     o = torch.empty(B, Sq, H, D, device=q.device, dtype=torch.bfloat16)
     grid = (triton.cdiv(Sq, BLOCK_M), B * H)
-    gluon_attn_fwd_kernel[grid](
-        tma_descriptor(q), tma_descriptor(k), tma_descriptor(v), o, o.stride(0), o.stride(1), o.stride(2),
-        H, Sq, Skv, sm_scale * LOG2E,
+    descs = (tma_descriptor(q), tma_descriptor(k), tma_descriptor(v))
+    if bias is not None:
+        descs += (bias_descriptor(bias),)
+    kernel = gluon_sage3_fwd_kernel if bias is not None else gluon_attn_fwd_kernel
+    kernel[grid](
+        *descs, o, o.stride(0), o.stride(1), o.stride(2), H, Sq, Skv, sm_scale * LOG2E,
         D=D, STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], LOADER_REGS=cfg["LOADER_REGS"],
         num_warps=4, maxnreg=cfg["MAXNREG"],
     )

@@ -43,13 +43,13 @@ class Sass:
 
 def compile_forward(arch: int, p_mode: int, need_o2: bool = False, warp_spec: bool = False, *,
                     shape: tuple[int, int, int, int] = (1, 32760, 12, 128), BM: int = 128,
-                    num_warps: int = 8, num_stages: int = 3):
+                    num_warps: int = 8, num_stages: int = 3, has_bias: bool = False):
     """``attn_fwd_kernel`` with BF16 operands (formulation 0, BN = 128 keys) compiled for
     ``sm_<arch>`` as the launcher would compile it for contiguous (B, S, H, D) = ``shape`` tensors:
     Triton's JIT specializes integer arguments equal to 1 as constants and marks pointers and
     integers divisible by 16 (which is what lets it prove contiguous, aligned loads), so the same
-    is done here from the shape's strides. Returns Triton's compiled kernel (``.asm``: ttgir, ptx,
-    cubin)."""
+    is done here from the shape's strides. ``has_bias``: with sage3's correction row (the sage3
+    launch). Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin)."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
@@ -61,12 +61,12 @@ def compile_forward(arch: int, p_mode: int, need_o2: bool = False, warp_spec: bo
         raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted Python then, "
                            "not compiled; unset it to read their machine code")
     _, S, H, D = shape
-    consts = dict(D=D, BM=BM, BN=128, P_MODE=p_mode, NEED_O2=need_o2, HAS_BIAS=False,
+    consts = dict(D=D, BM=BM, BN=128, P_MODE=p_mode, NEED_O2=need_o2, HAS_BIAS=has_bias,
                   STORE_STATS=need_o2, FORMULATION=0, WARP_SPEC=warp_spec)
     pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "O2": "*fp32", "LSE2": "*fp32",
                 "M2": "*fp32", "BIAS": "*fp32", "Qc": "*u8", "Qs": "*u8", "Kc": "*u8", "Ks": "*u8",
                 "Vc": "*u8", "Vs": "*u8"}
-    ints = {"H": H, "Sq": S, "Skv": S, "n_qblk_bias": 0}
+    ints = {"H": H, "Sq": S, "Skv": S, "n_qblk_bias": -(-S // 128) if has_bias else 0}
     for t in "qkvo":   # (B, S, H, D) strides of Q, K, V, O; the packed operands' strides are unused (0)
         ints.update(zip((f"s{t}b", f"s{t}s", f"s{t}h", f"s{t}d"), (S * H * D, H * D, D, 1)))
     typed = {n: (t, True) for n, t in pointers.items()} | {"qk_scale": ("fp32", False)}
@@ -176,12 +176,12 @@ def print_table(rows: list[dict]) -> None:
 
 
 def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
-                          config: dict | None = None):
-    """The Gluon forward (:func:`.gluon_fwd.gluon_attn_fwd_kernel`) compiled for ``sm_<arch>`` as
-    its launcher would compile it for contiguous (B, S, H, D) = ``shape`` tensors (the descriptor
-    type is what Triton's JIT derives from a host ``TensorDescriptor``; integer arguments divisible
-    by 16 are marked so). No GPU needed. Returns Triton's compiled kernel (``.asm``: ttgir, ptx,
-    cubin)."""
+                          config: dict | None = None, method: str = "nvfp4"):
+    """The Gluon forward (:func:`.gluon_fwd.gluon_attn_fwd_kernel`, or with ``method="sage3"``
+    :func:`.gluon_fwd.gluon_sage3_fwd_kernel`) compiled for ``sm_<arch>`` as its launcher would
+    compile it for contiguous (B, S, H, D) = ``shape`` tensors (the descriptor types are what
+    Triton's JIT derives from host ``TensorDescriptor``s; integer arguments divisible by 16 are
+    marked so). No GPU needed. Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin)."""
     import triton  # noqa: PLC0415
 
     from . import gluon_fwd as G  # noqa: PLC0415
@@ -207,20 +207,24 @@ def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = 
     ints = dict(sob=S * H * D, sos=H * D, soh=D, H=H, Sq=S, Skv=S)
     typed = {"q_desc": (desc_ty, False), "k_desc": (desc_ty, False), "v_desc": (desc_ty, False),
              "O": ("*bf16", True), "qk_scale": ("fp32", False)}
-    src = GluonASTSource(fn=G.gluon_attn_fwd_kernel,
-                         **_specialize(G.gluon_attn_fwd_kernel.arg_names, consts, typed, ints))
+    fn = dict(nvfp4=G.gluon_attn_fwd_kernel, sage3=G.gluon_sage3_fwd_kernel)[method]
+    if method == "sage3":
+        typed["b_desc"] = (mangle_type(G.bias_descriptor(torch.empty(1, G.BIAS_PARTS, G.BLOCK_N,
+                                                                     dtype=torch.bfloat16))), False)
+    src = GluonASTSource(fn=fn, **_specialize(fn.arg_names, consts, typed, ints))
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=4, maxnreg=cfg["MAXNREG"]))
 
 
-def gluon_facts(kernel, head_dim: int) -> dict:
+def gluon_facts(kernel, head_dim: int, s_steps: int | None = None) -> dict:
     """What the compiled Gluon forward's SASS shows: per consumer key loop (the innermost backward
     branch around HGMMA and exponentials: S_j = D/16 and PV_{j-1} = 8 HGMMA), its static length, the
     length of the ragged-tile mask block it branches over (so ``loop - mask`` instructions run per
     full tile), whether every HGMMA is issued before the softmax's first exponential with no wgmma
     wait after the exponentials start (PV in flight during the softmax), and the quantizer's
     rounding instructions; for the kernel, spills (LDL/STL), registers (cuobjdump) and the
-    ``setmaxnreg`` values in the PTX."""
+    ``setmaxnreg`` values in the PTX. ``s_steps``: k-steps of S per tile (default head_dim/16; the
+    sage3 kernel has one more, its correction row)."""
     text = disassemble(kernel.asm["cubin"])
     ops, lines, labels, loops = _scan(text)
     facts = dict(total=len(ops), spill_instructions=sum(o.startswith(("LDL", "STL")) for o in ops),
@@ -234,7 +238,7 @@ def gluon_facts(kernel, head_dim: int) -> dict:
         body = ops[a:e]
         # a key loop issues S_j (head_dim/16 k-steps) and PV_{j-1} (128/16); the mbarrier spin
         # loops' retry branches back into earlier code make larger spans, which hold more
-        if sum(o.startswith("HGMMA") for o in body) != head_dim // 16 + 8 or "MUFU.EX2" not in body:
+        if sum(o.startswith("HGMMA") for o in body) != (s_steps or head_dim // 16) + 8 or "MUFU.EX2" not in body:
             continue
         ex2 = [i for i, o in enumerate(body) if o == "MUFU.EX2"]
         hg = [i for i, o in enumerate(body) if o.startswith("HGMMA")]
@@ -260,36 +264,45 @@ def gluon_facts(kernel, head_dim: int) -> dict:
 
 
 def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict:
-    """{head_dim: :func:`gluon_facts` of the Gluon forward, plus ``triton_loop``: the key loop length
-    of the Triton ``nvfp4`` forward compiled with the same Triton}; a head_dim whose Gluon kernel
-    does not compile reports ``error``. No GPU needed."""
+    """{head_dim: :func:`gluon_facts` of the Gluon nvfp4 forward, plus ``sage3``: the same facts of
+    the Gluon sage3 forward (one more k-step of S per tile, its correction row); ``triton_loop``: the
+    key loop length of the Triton kernel of the same method (sage3: with its correction row)
+    compiled with the same Triton}; a kernel that does not compile reports ``error``. No GPU needed."""
     import triton  # noqa: PLC0415
 
     report = {}
     for D in head_dims:
-        try:
-            facts = gluon_facts(compile_gluon_forward(arch, shape=(1, 32760, 12, D)), D)
-        except Exception as exc:  # noqa: BLE001 - reported
-            facts = dict(error=f"{type(exc).__name__}: {exc}")
-        facts["triton_loop"] = summarize(compile_forward(arch, 1, shape=(1, 32760, 12, D))).loop
+        facts = {}
+        for method in ("nvfp4", "sage3"):
+            try:
+                f = gluon_facts(compile_gluon_forward(arch, shape=(1, 32760, 12, D), method=method), D,
+                                D // 16 + (method == "sage3"))
+            except Exception as exc:  # noqa: BLE001 - reported
+                f = dict(error=f"{type(exc).__name__}: {exc}")
+            if "error" not in f:
+                sage3 = method == "sage3"
+                f["triton_loop"] = summarize(compile_forward(arch, 2 if sage3 else 1, shape=(1, 32760, 12, D),
+                                                             has_bias=sage3)).loop
+            facts.update(f) if method == "nvfp4" else facts.update(sage3=f)
         facts["triton"] = triton.__version__
         report[D] = facts
     return report
 
 
 def print_gluon(report: dict) -> None:
-    """One line per head_dim of :func:`gluon_report`: per consumer key loop, its length per full
-    tile against the Triton loop, the wgmma groups and waits, registers and spills."""
-    for D, f in report.items():
-        if "error" in f:
-            print(f"gluon nvfp4 D={D}: does not compile under triton {f['triton']}: {f['error'][:200]}")
-            continue
-        for i, lp in enumerate(f["consumer_loops"]):
-            print(f"gluon nvfp4 D={D} consumer {i}: {lp['per_full_tile']} instructions per full key tile "
-                  f"(Triton loop {f['triton_loop']}), {lp['hgmma']} HGMMA, {lp['waits']} waits "
-                  f"({lp['waits_after_first_ex2']} after the first exponential), "
-                  f"{f['registers']} registers, {f['spill_instructions']} spill instructions, "
-                  f"setmaxnreg {f['setmaxnreg']}")
+    """One line per head_dim, method and consumer of :func:`gluon_report`: its key loop's length per
+    full tile against the Triton nvfp4 loop, the wgmma groups and waits, registers and spills."""
+    for D, facts in report.items():
+        for method, f in (("nvfp4", facts), ("sage3", facts.get("sage3", {}))):
+            if "error" in f:
+                print(f"gluon {method} D={D}: does not compile under triton {facts['triton']}: {f['error'][:200]}")
+                continue
+            for i, lp in enumerate(f.get("consumer_loops", [])):
+                print(f"gluon {method} D={D} consumer {i}: {lp['per_full_tile']} instructions per full key "
+                      f"tile (Triton {method} loop {f['triton_loop']}), {lp['hgmma']} HGMMA, {lp['waits']} "
+                      f"waits ({lp['waits_after_first_ex2']} after the first exponential), "
+                      f"{f['registers']} registers, {f['spill_instructions']} spill instructions, "
+                      f"setmaxnreg {f['setmaxnreg']}")
 
 
 __all__ = ["VARIANTS", "Sass", "compile_forward", "compile_gluon_forward", "disassemble", "gluon_facts",

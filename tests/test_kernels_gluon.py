@@ -39,24 +39,29 @@ def report(tmp_path_factory):
                          cwd=out.parent, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "gluon nvfp4 D=128 consumer 1:" in res.stdout
+    assert "gluon sage3 D=128 consumer 1:" in res.stdout
     return {int(d): f for d, f in json.loads(out.read_text())["gluon"].items()}
 
 
-@pytest.fixture(params=[128, 64], ids=["d128", "d64"])
+@pytest.fixture(params=[(128, "nvfp4"), (64, "nvfp4"), (128, "sage3"), (64, "sage3")],
+                ids=lambda p: f"{p[1]}-d{p[0]}")
 def facts(request, report):
-    f = report[request.param]
-    assert "error" not in f, f"the Gluon forward does not compile for sm_90 under triton {f['triton']}"
-    return request.param, f
+    D, method = request.param
+    f = report[D] if method == "nvfp4" else report[D]["sage3"]
+    assert "error" not in f, f"the Gluon {method} forward does not compile for sm_90 under triton {report[D]['triton']}"
+    return D, method, f
 
 
 def test_two_consumer_loops_issue_both_products_asynchronously(facts):
-    D, f = facts
+    D, method, f = facts
     loops = f["consumer_loops"]
     assert len(loops) == 2, "one key loop per consumer warpgroup"
     for lp in loops:
-        # S_j (D/16 k-steps) and PV_{j-1} (128 keys / 16) per tile, as two wgmma groups
-        assert lp["hgmma"] == D // 16 + 128 // 16
-        assert lp["warpgroup_arrive"] == 2
+        # S_j (D/16 k-steps; sage3: one more, its correction row) and PV_{j-1} (128 keys / 16) per
+        # tile, issued as asynchronous wgmma (sage3: S in two calls)
+        extra = method == "sage3"
+        assert lp["hgmma"] == D // 16 + extra + 128 // 16
+        assert lp["warpgroup_arrive"] == 2 + extra
         # two waits per tile (PV_{j-2} at the top, S_j before the softmax): ptxas did not serialize
         # the pipeline (a serialized one waits after every HGMMA)
         assert lp["waits"] == 2
@@ -66,7 +71,7 @@ def test_two_consumer_loops_issue_both_products_asynchronously(facts):
 
 
 def test_no_spills_and_registers_handed_to_the_consumers(facts):
-    _, f = facts
+    *_, f = facts
     assert f["spill_instructions"] == 0
     # 3 warpgroups at 168 registers; the producer gives back to 24, the consumers take 240
     assert f["registers"] == G.CONFIG["MAXNREG"]
@@ -76,8 +81,9 @@ def test_no_spills_and_registers_handed_to_the_consumers(facts):
 
 def test_p_quantizer_is_the_triton_kernels(facts):
     """The E4M3 scale and the E2M1 rounding of 64 scores per thread: 2 FFMA with the E2M1 magic
-    constant per score, one exponent mask per score and per block scale, one MUFU.RCP per block."""
-    _, f = facts
+    constant per score, one exponent mask per score and per block scale, one MUFU.RCP per block
+    (sage3's two-level quantizer has the same counts: its reciprocal is of the block maximum)."""
+    *_, f = facts
     for lp in f["consumer_loops"]:
         assert lp["e2m1_magic_ffma"] == 128
         assert lp["exponent_mask_lop3"] == 64 + 16
@@ -87,8 +93,9 @@ def test_p_quantizer_is_the_triton_kernels(facts):
 def test_fewer_instructions_per_key_tile_than_the_triton_kernel(facts):
     """Per full 128-key tile each consumer thread holds the 64 scores a thread of the 8-warp Triton
     kernel holds; the Gluon loop (the mask block is branched over on full tiles) must not be longer
-    than the Triton kernel's loop compiled with the same Triton for the same head_dim."""
-    _, f = facts
+    than the Triton kernel's loop of the same method (sage3: with its correction row) compiled with
+    the same Triton for the same head_dim."""
+    *_, f = facts
     for lp in f["consumer_loops"]:
         assert lp["mask_block"] > 0
         assert lp["per_full_tile"] < f["triton_loop"]
@@ -103,23 +110,92 @@ def test_launcher_refuses_without_a_hopper_gpu():
 
 
 def test_schedule_choice_on_the_cpu():
-    """Without a Hopper GPU the nvfp4 forward's default schedule is the Triton kernel; asking for
-    the Gluon one says why it cannot run rather than running the other kernel."""
+    """Without a Hopper GPU the default schedule is the Triton kernel; asking for the Gluon one says
+    why it cannot run rather than running the other kernel."""
     from attnqat import kernels as K
 
     q = torch.zeros(1, 128, 1, 64, dtype=torch.bfloat16)
-    assert K._schedule(q, q, q, None, None) == "triton"
-    assert K._schedule(q, q, q, "triton", None) == "triton"
+    assert G.choose_schedule(q, q, q, None, None) == "triton"
+    assert G.choose_schedule(q, q, q, "triton", None) == "triton"
     with pytest.raises(ValueError, match="cannot run these inputs: q is on cpu"):
-        K._schedule(q, q, q, "gluon", None)
+        G.choose_schedule(q, q, q, "gluon", None)
     with pytest.raises(ValueError, match="schedule must be one of"):
-        K._schedule(q, q, q, "cudnn", None)
+        G.choose_schedule(q, q, q, "cudnn", None)
     with pytest.raises(ValueError, match="formulation 0 only"):
         K.nvfp4_forward(q, q, q, 0.125, formulation=1, schedule="gluon")
     with pytest.raises(ValueError, match="schedule must be one of"):   # checked for every formulation
         K.nvfp4_forward(q, q, q, 0.125, formulation=1, schedule="cudnn")
-    with pytest.raises(ValueError, match="'nvfp4' only"):
-        K.triton_attention(q, q, q, "sage3", schedule="gluon")
+    with pytest.raises(ValueError, match="'nvfp4' and 'sage3', not 'attnqat'"):
+        K.triton_attention(q, q, q, "attnqat", schedule="gluon")
+
+
+def test_sage3_schedule_argument():
+    """``sage3_forward``'s ``schedule`` has ``nvfp4_forward``'s semantics: an unknown name and a
+    "gluon" that cannot run (float16 operands here, on any machine) raise ValueError naming why;
+    "triton" and, off Hopper, the default give the Triton kernel's result."""
+    import qkv_data
+    from attnqat.kernels import sage3 as S3
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"   # on the CPU: the Triton interpreter
+    q, k, v = qkv_data.make_qkv(1, 130, 140, 1, 64, False, 3, torch.bfloat16, device=dev)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        S3.sage3_forward(q, k, v, 0.125, schedule="cudnn")
+    with pytest.raises(ValueError, match="cannot run these inputs: q is torch.float16"):
+        S3.sage3_forward(q.half(), k.half(), v.half(), 0.125, schedule="gluon")
+    with torch.no_grad():
+        tri = S3.sage3_forward(q, k, v, 0.125, schedule="triton")
+        assert torch.equal(S3.sage3_forward(q, k, v, 0.125, config=dict(BM=128)), tri)   # tiles: Triton's
+        if not _is_hopper():
+            with pytest.raises(ValueError, match="cannot run these inputs"):
+                S3.sage3_forward(q, k, v, 0.125, schedule="gluon")
+            assert torch.equal(S3.sage3_forward(q, k, v, 0.125), tri)
+
+
+@pytest.mark.parametrize("Skv", [140, 77, 256])
+def test_sage3_correction_parts_hold_the_float32_row(Skv):
+    """The Gluon kernel's form of sage3's correction: per (batch, head, query block) three bf16
+    rows hi, mid, lo whose sum is the float32 row the Triton kernel adds (float32's 24 bits in
+    3 × 8: exact up to the last part's rounding, under 2^-24 of the value), zeros on the padded keys
+    (Skv rounded up to 8: TMA row strides are multiples of 16 bytes)."""
+    import qkv_data
+    from attnqat.kernels import sage3 as S3
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    B, Sq, H = 2, 200, 3
+    q, k, v = qkv_data.make_qkv(B, Sq, Skv, H, 64, True, 11, torch.bfloat16, device=dev)
+    *ops, f32 = S3.sage3_prepare(q, k, v)
+    *ops_p, parts = S3.sage3_prepare(q, k, v, bias_parts=True)
+    for a, b in zip(ops, ops_p):
+        assert torch.equal(a, b)
+    assert parts.dtype == torch.bfloat16 and parts.is_contiguous()
+    assert tuple(parts.shape) == G.bias_parts_shape(B, H, Sq, Skv) == (B * H * 2, 3, -(-Skv // 8) * 8)
+    total = parts.double().sum(dim=1)                                  # (B·H·nb, Skv')
+    want = f32.double().reshape(B * H * 2, Skv)
+    assert (total[:, Skv:] == 0).all()
+    err = (total[:, :Skv] - want).abs()
+    assert (err <= want.abs() * 2.0 ** -24).all(), f"max error {err.max().item():.3e}"
+    assert want.abs().max() > 1.0, "outlier-heavy inputs give a correction far from zero"
+
+
+def test_launcher_checks_the_method_and_bias():
+    """nvfp4 takes no correction; sage3 needs it in the parts form; each mismatch is named in one
+    sentence (the check takes CPU tensors: any machine)."""
+    from attnqat.kernels.attention_fwd import P_NVFP4, P_SAGE3
+
+    q = torch.zeros(1, 200, 2, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 300, 2, 64, dtype=torch.bfloat16)
+    parts = torch.zeros(G.bias_parts_shape(1, 2, 200, 300), dtype=torch.bfloat16)
+    assert parts.shape == (4, 3, 304)
+    why = G._bias_unsupported
+    assert why(q, k, P_NVFP4, None) is None and why(q, k, P_SAGE3, parts) is None
+    assert "neither nvfp4 (1) nor sage3 (2)" in why(q, k, 0, None)
+    assert "takes no bias" in why(q, k, P_NVFP4, parts)
+    assert "needs its correction as bf16 parts" in why(q, k, P_SAGE3, None)
+    assert "got torch.float32 (1, 2, 2, 300)" in why(q, k, P_SAGE3, torch.zeros(1, 2, 2, 300))
+    assert "must be contiguous" in why(q, k, P_SAGE3, torch.zeros(4, 304, 3, dtype=torch.bfloat16).transpose(1, 2))
+    if G.gluon_unavailable() is not None:
+        with pytest.raises(RuntimeError, match="cannot run"):
+            G.gluon_attention_forward(q, k, k, sm_scale=0.125, p_mode=P_SAGE3, bias=parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,14 +209,36 @@ def _is_hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90) GPU")
 
 
-def _operands(B, Sq, Skv, H, D, outliers, seed):
+def _operands(B, Sq, Skv, H, D, outliers, seed, method="nvfp4"):
+    """Random or outlier-heavy bf16 (B, S, H, D) q, k, v on the GPU and the operands the two
+    kernels take for ``method``: nvfp4 (Qᶠ, Kᶠ, Vᶠ) for both; sage3 :func:`sage3_prepare`'s
+    (Q_sᶠ, K_sᶠ, Vᶠ) with the correction as float32 (Triton) and as bf16 parts (Gluon)."""
     import qkv_data
     from attnqat.kernels.quantize import fake_quantize_nvfp4
+    from attnqat.kernels.sage3 import sage3_prepare
 
     q, k, v = qkv_data.make_qkv(B, Sq, Skv, H, D, outliers, seed, torch.bfloat16, device="cuda")
+    if method == "sage3":
+        *ops, f32 = sage3_prepare(q, k, v)
+        return (q, k, v), (*ops, f32, sage3_prepare(q, k, v, bias_parts=True)[3])
     return (q, k, v), (fake_quantize_nvfp4(q, -1), fake_quantize_nvfp4(k, -1), fake_quantize_nvfp4(v, 1))
 
 
+def _both_kernels(prepared, scale, method):
+    """(Gluon, Triton) outputs of ``method`` on the same prepared operands."""
+    from attnqat.kernels.attention_fwd import P_NVFP4, P_SAGE3, attention_forward
+
+    qf, kf, vf, *bias = prepared
+    with torch.no_grad():
+        if method == "sage3":
+            f32, parts = bias
+            return (G.gluon_attention_forward(qf, kf, vf, sm_scale=scale, p_mode=P_SAGE3, bias=parts),
+                    attention_forward(qf, kf, vf, sm_scale=scale, p_mode=P_SAGE3, bias=f32)[0])
+        return (G.gluon_attention_forward(qf, kf, vf, sm_scale=scale),
+                attention_forward(qf, kf, vf, sm_scale=scale, p_mode=P_NVFP4)[0])
+
+
+METHODS = ["nvfp4", "sage3"]
 SHAPES = [dict(B=2, Sq=1000, Skv=1000, H=3, D=64),      # ragged tiles, two batch elements (TMA zero fill)
           dict(B=1, Sq=4100, Skv=4100, H=2, D=128),
           dict(B=1, Sq=300, Skv=77, H=2, D=128),        # a single, ragged key tile
@@ -151,62 +249,71 @@ SHAPES = [dict(B=2, Sq=1000, Skv=1000, H=3, D=64),      # ragged tiles, two batc
 @needs_hopper
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"b{s['B']}q{s['Sq']}k{s['Skv']}d{s['D']}")
 @pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])
-def test_matches_triton_and_reference(shape, outliers):
-    from attnqat.kernels.attention_fwd import P_NVFP4, attention_forward
+@pytest.mark.parametrize("method", METHODS)
+def test_matches_triton_and_reference(method, shape, outliers):
+    """nvfp4: the same arithmetic as the Triton kernel; sage3: the same but the correction row added
+    by the tensor core (its rounding, not FADD's) — within 1e-3 of the Triton kernel either way."""
     from qkv_data import bhsd
 
     from attnqat.metrics import rel_error
 
     B, Sq, Skv, H, D = (shape[k] for k in ("B", "Sq", "Skv", "H", "D"))
-    (q, k, v), (qf, kf, vf) = _operands(B, Sq, Skv, H, D, outliers, seed=5)
+    (q, k, v), prepared = _operands(B, Sq, Skv, H, D, outliers, seed=5, method=method)
     scale = D ** -0.5
-    with torch.no_grad():
-        got = G.gluon_attention_forward(qf, kf, vf, sm_scale=scale)
-        tri = attention_forward(qf, kf, vf, sm_scale=scale, p_mode=P_NVFP4)[0]
+    got, tri = _both_kernels(prepared, scale, method)
     assert got.shape == tri.shape and got.dtype == torch.bfloat16
     assert torch.isfinite(got.float()).all()
     assert rel_error(got, tri) < 1e-3, "the same arithmetic as the Triton kernel"
-    want = ref.fp4_forward(bhsd(q), bhsd(k), bhsd(v), scale, "nvfp4").o.transpose(1, 2)
+    want = ref.fp4_forward(bhsd(q), bhsd(k), bhsd(v), scale, method).o.transpose(1, 2)
     assert rel_error(got, want) < TOL
 
 
 @pytest.mark.gpu
 @needs_hopper
-def test_bit_identical_to_triton_kernel():
+@pytest.mark.parametrize("shape", [(1, 1000, 1000, 2, 128), (1, 300, 77, 2, 64)], ids=["k1000d128", "k77d64"])
+def test_bit_identical_to_triton_kernel(shape):
     """Same wgmma instruction shape and K order, same thread ↔ element map, the same floating-point
-    operations in the same order: the outputs are expected to agree bit for bit. A failure here
-    (with test_matches_triton_and_reference passing) means some rounding differs — worth knowing
-    before the kernel replaces the Triton one."""
-    from attnqat.kernels.attention_fwd import P_NVFP4, attention_forward
+    operations in the same order: the nvfp4 outputs are expected to agree bit for bit. A failure
+    here (with test_matches_triton_and_reference passing) means some rounding differs."""
+    _, prepared = _operands(*shape, True, seed=6)
+    got, tri = _both_kernels(prepared, shape[-1] ** -0.5, "nvfp4")
+    assert torch.equal(got, tri), f"{(got != tri).float().mean().item():.3%} of the outputs differ"
 
-    _, (qf, kf, vf) = _operands(1, 1000, 1000, 2, 128, True, seed=6)
-    with torch.no_grad():
-        got = G.gluon_attention_forward(qf, kf, vf, sm_scale=128 ** -0.5)
-        tri = attention_forward(qf, kf, vf, sm_scale=128 ** -0.5, p_mode=P_NVFP4)[0]
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", [(1, 1000, 1000, 2, 128), (1, 300, 77, 2, 64), (1, 128, 384, 1, 128)],
+                         ids=["k1000d128", "k77d64", "k384d128"])
+def test_sage3_with_a_zero_correction_is_bit_identical(shape):
+    """With the correction row zeroed the sage3 kernels differ in nothing but their schedule (the
+    extra k-step adds exact zeros): the two-level P quantizer, its 2688× scaled P̃ᶠ across key
+    tiles and the epilogue must agree bit for bit with the Triton kernel's."""
+    _, (qf, kf, vf, f32, parts) = _operands(*shape, True, seed=9, method="sage3")
+    got, tri = _both_kernels((qf, kf, vf, torch.zeros_like(f32), torch.zeros_like(parts)),
+                             shape[-1] ** -0.5, "sage3")
     assert torch.equal(got, tri), f"{(got != tri).float().mean().item():.3%} of the outputs differ"
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])
-def test_wan_shape(outliers):
+@pytest.mark.parametrize("method", METHODS)
+def test_wan_shape(method, outliers):
     """Wan 2.1 1.3B 480p (S = 32,760: 255 full key tiles and one of 120 keys), compared on the rows
-    test_kernels_gpu.py compares."""
-    from attnqat.kernels.attention_fwd import P_NVFP4, attention_forward
+    test_kernels_gpu.py compares (whole 128-query blocks: sage3 smooths Q per block)."""
     from qkv_data import bhsd
 
     from attnqat.metrics import rel_error
 
     B, S, H, D = 1, 32760, 12, 128
-    (q, k, v), (qf, kf, vf) = _operands(B, S, S, H, D, outliers, seed=2)
-    with torch.no_grad():
-        got = G.gluon_attention_forward(qf, kf, vf, sm_scale=D ** -0.5)
-        tri = attention_forward(qf, kf, vf, sm_scale=D ** -0.5, p_mode=P_NVFP4)[0]
+    (q, k, v), prepared = _operands(B, S, S, H, D, outliers, seed=2, method=method)
+    got, tri = _both_kernels(prepared, D ** -0.5, method)
+    del prepared
     assert torch.isfinite(got.float()).all()
     assert rel_error(got, tri) < 1e-3
     last = (S - 1) // 128 * 128
     for rows in (slice(0, 256), slice(last, S)):
-        want = ref.fp4_forward(bhsd(q[:, rows]), bhsd(k), bhsd(v), D ** -0.5, "nvfp4").o.transpose(1, 2)
+        want = ref.fp4_forward(bhsd(q[:, rows]), bhsd(k), bhsd(v), D ** -0.5, method).o.transpose(1, 2)
         assert rel_error(got[:, rows], want) < TOL
 
 
@@ -240,4 +347,35 @@ def test_auto_backend_runs_the_gluon_kernel(monkeypatch):
         assert torch.equal(auto, tri)
         half = attention(q.half(), k.half(), v.half(), "nvfp4", backend="auto")
     assert len(calls) == 1, "float16 inputs must take the Triton kernel"
+    assert half.dtype == torch.float16 and torch.isfinite(half.float()).all()
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_sage3_default_schedule_runs_the_gluon_kernel(monkeypatch):
+    """``attnqat.attention(..., "sage3")`` with ``backend="auto"`` runs the Gluon kernel on Hopper for
+    bf16 inputs (within 1e-3 of ``schedule="triton"``), and the Triton kernel for float16 and for a
+    Triton tile override."""
+    from attnqat.kernels import sage3 as S3
+    from attnqat.kernels.attention_fwd import P_SAGE3
+
+    from attnqat import attention
+    from attnqat.metrics import rel_error
+
+    calls = []
+    real = G.gluon_attention_forward
+    monkeypatch.setattr(G, "gluon_attention_forward",
+                        lambda *a, **kw: calls.append(kw.get("p_mode")) or real(*a, **kw))
+    (q, k, v), _ = _operands(1, 700, 700, 2, 128, True, seed=8)
+    scale = q.shape[-1] ** -0.5   # the scale triton_attention computes
+    with torch.no_grad():
+        auto = attention(q, k, v, "sage3", backend="auto")
+        assert calls == [P_SAGE3], "backend='auto' did not run the Gluon sage3 kernel on this Hopper GPU"
+        tri = S3.sage3_forward(q, k, v, scale, schedule="triton")
+        assert rel_error(auto, tri) < 1e-3
+        assert torch.equal(S3.sage3_forward(q, k, v, scale, schedule="gluon"), auto)
+        assert len(calls) == 2
+        S3.sage3_forward(q, k, v, scale, config=dict(BM=128))
+        half = attention(q.half(), k.half(), v.half(), "sage3", backend="auto")
+    assert len(calls) == 2, "float16 inputs and tile overrides must take the Triton kernel"
     assert half.dtype == torch.float16 and torch.isfinite(half.float()).all()
