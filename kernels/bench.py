@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder holding the published Attn-QAT kernel package (fastvideo_kernel); adds "
                              "its forward and forward+backward as method 'published', for scale")
     parser.add_argument("--no-backward", action="store_true", help="time forwards only")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each row's CUDA time per kernel (torch.profiler, mean of 5 calls): "
+                             "where a method's time goes, e.g. the attnqat forward and its two backward kernels "
+                             "against cuDNN's forward and backward")
     parser.add_argument("--rep-ms", type=float, default=300.0, help="timing budget per measurement (ms)")
     parser.add_argument("--variants", action="store_true",
                         help="also time the kernel variants and the quantize kernel's bandwidth")
@@ -49,9 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only sweep the packed quantize kernel's tiles (each checked bit-identical "
                              "to the default) and report bandwidth against a device copy")
     parser.add_argument("--sass", type=int, default=None, metavar="ARCH",
-                        help="only compile the forward kernel's variants for sm_ARCH (90: Hopper, "
-                             "100: Blackwell) and print their machine-code instruction counts; "
-                             "needs no GPU")
+                        help="only compile the forward kernel's variants and the backward's dK/dV kernel "
+                             "for sm_ARCH (90: Hopper, 100: Blackwell; on 90 also the Gluon forwards) and "
+                             "print their machine-code instruction counts; needs no GPU")
     parser.add_argument("--json", default=None, help="write the results here")
 
 
@@ -146,7 +150,23 @@ def _method_fn(method: str, published: str | None = None):
 # The table
 # ----------------------------------------------------------------------------------------------
 
-def time_method(method: str, shape: dict, backward: bool, rep_ms: float, published: str | None = None) -> dict:
+def _kernel_times(fn, calls: int = 5) -> dict:
+    """{kernel name: mean CUDA milliseconds per call of ``fn``}, largest first (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {e.key: e.self_device_time_total / (1e3 * calls) for e in prof.key_averages()
+             if e.self_device_time_total > 0}
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def time_method(method: str, shape: dict, backward: bool, rep_ms: float, published: str | None = None,
+                profile: bool = False) -> dict:
     B, H, Sq, Skv, D = (shape[k] for k in ("B", "H", "Sq", "Skv", "D"))
     fn = _method_fn(method, published)
     flops = fwd_flops(B, H, Sq, Skv, D)
@@ -155,8 +175,10 @@ def time_method(method: str, shape: dict, backward: bool, rep_ms: float, publish
         with torch.no_grad():
             ms = _bench(lambda: fn(q, k, v), rep_ms)
             peak = _peak_bytes(lambda: fn(q, k, v))
+            kernels_ms = _kernel_times(lambda: fn(q, k, v)) if profile else None
         del q, k, v
-        return dict(pass_="forward", ms=ms, tflops=flops / ms * 1e-9, peak_bytes=peak)
+        return dict(pass_="forward", ms=ms, tflops=flops / ms * 1e-9, peak_bytes=peak,
+                    **({"kernels_ms": kernels_ms} if profile else {}))
     q, k, v = _inputs(B, H, Sq, Skv, D, grad=True)
     do = torch.randn_like(q)
 
@@ -166,11 +188,14 @@ def time_method(method: str, shape: dict, backward: bool, rep_ms: float, publish
         fn(q, k, v).backward(do)
     ms = _bench(step, rep_ms)
     peak = _peak_bytes(step)
+    kernels_ms = _kernel_times(step) if profile else None
     del q, k, v, do
-    return dict(pass_="forward+backward", ms=ms, tflops=3.5 * flops / ms * 1e-9, peak_bytes=peak)
+    return dict(pass_="forward+backward", ms=ms, tflops=3.5 * flops / ms * 1e-9, peak_bytes=peak,
+                **({"kernels_ms": kernels_ms} if profile else {}))
 
 
-def run_table(shapes, methods, backward: bool, rep_ms: float, published: str | None = None) -> list[dict]:
+def run_table(shapes, methods, backward: bool, rep_ms: float, published: str | None = None,
+              profile: bool = False) -> list[dict]:
     rows = []
     methods = list(methods) + (["published"] if published else [])
     for sname in shapes:
@@ -184,7 +209,7 @@ def run_table(shapes, methods, backward: bool, rep_ms: float, published: str | N
             for bw in passes:
                 row = dict(shape=sname, **shape, method=method)
                 try:
-                    row.update(time_method(method, shape, bw, rep_ms, published))
+                    row.update(time_method(method, shape, bw, rep_ms, published, profile))
                 except Exception as exc:  # report and go on: one failure must not lose the table
                     row.update(pass_="forward+backward" if bw else "forward", error=f"{type(exc).__name__}: {exc}")
                 torch.cuda.empty_cache()
@@ -199,6 +224,8 @@ def _print_row(r: dict) -> None:
     else:
         print(f"{r['shape']:14s} {r['method']:12s} {r['pass_']:17s} {r['ms']:9.2f} ms {r['tflops']:7.1f} TFLOP/s "
               f"{r['peak_bytes'] / 2**30:7.2f} GiB", flush=True)
+        for name, ms in list(r.get("kernels_ms", {}).items())[:6]:
+            print(f"    {ms:9.2f} ms  {name[:90]}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,6 +430,8 @@ def run(args: argparse.Namespace) -> int:
 
         rows = sass.table(args.sass)
         sass.print_table(rows)
+        dkdv = sass.dkdv_table(args.sass)
+        sass.print_table(dkdv)
         gluon = sass.gluon_report(args.sass) if args.sass == 90 else None   # the Gluon kernel is Hopper's
         if gluon is not None:
             sass.print_gluon(gluon)
@@ -411,7 +440,7 @@ def run(args: argparse.Namespace) -> int:
 
             with open(args.json, "w") as fh:
                 json.dump(dict(date=time.strftime("%Y-%m-%d"), triton=triton.__version__, rows=rows,
-                               gluon=gluon), fh, indent=1)
+                               dkdv=dkdv, gluon=gluon), fh, indent=1)
         return 0
     if not torch.cuda.is_available():
         print("attnqat bench kernels: needs a CUDA GPU (none is visible)", file=sys.stderr)
@@ -434,7 +463,8 @@ def run(args: argparse.Namespace) -> int:
         print("## backward variants (wan1.3b-480p)", flush=True)
         result["backward_variants"] = time_backward_variants(args.rep_ms)
     print("## methods", flush=True)
-    result["rows"] = run_table(args.shapes, args.methods, not args.no_backward, args.rep_ms, args.published_kernel)
+    result["rows"] = run_table(args.shapes, args.methods, not args.no_backward, args.rep_ms, args.published_kernel,
+                               args.profile)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

@@ -1,7 +1,10 @@
-"""The ``nvfp4`` attention forward as a hand-scheduled Gluon kernel for Hopper (issue 17).
+"""The ``nvfp4`` and ``sage3`` attention forwards as a hand-scheduled Gluon kernel for Hopper (issue 17).
 
 Same numerics as :func:`attention_fwd.attn_fwd_kernel` in mode ``P_NVFP4`` (formulation 0: Q, K, V
-arrive as bf16 tensors holding their exact NVFP4-dequantized values; no O'; head_dim 64 or 128).
+arrive as bf16 tensors holding their exact NVFP4-dequantized values; no O'; head_dim 64 or 128),
+and in mode ``P_SAGE3`` on :func:`.sage3.sage3_prepare`'s operands, where sage3's correction row
+q̄·K_sᵀ enters S as one more k-step of the S product (:func:`_issue_s`): the kernel reads it as three
+bf16 parts (hi + mid + lo = the float32 row) that the producer loads with K_j.
 The schedule is FlashAttention-3's, written out by hand because Triton 3.6 does not warp-specialize
 the Triton kernel on sm_90 (docs/kernels_notes.md, "Closing the gap to cuDNN"):
 
@@ -31,21 +34,24 @@ semantics, which is how ``gl.max``/``gl.sum`` themselves are defined — so the 
 reciprocal and the E2M1 rounding are the same operations in the same order, and the same rounding
 decisions):
 
-    s (fp32 wgmma, K-order as Triton's m64n128k16 chain);  tail keys ≥ Skv → −inf
+    s (fp32 wgmma, K-order as Triton's m64n128k16 chain; sage3: + 1·hi + 1·mid + 1·lo as a last
+       k-step, where the Triton kernel adds the float32 row with an FADD);  tail keys ≥ Skv → −inf
     m_new = max(m, rowmax(s)·scale);  P̃ = exp2(s·scale − m_new);  α = exp2(m − m_new)
     l = l·α + rowsum(P̃);  P̃ᶠ = E2M1(P̃ · rcp(max(sc, 2⁻¹⁰)))·sc,  sc = E4M3(amax₁₆·(1/6))
+                          (sage3: E2M1(P̃ · 6·rcp(amax₁₆))·E4M3(amax₁₆·448), 2688× too large)
     O = O·α + bf16(P̃ᶠ) V   (the rescale and product of tile j happen in iteration j+1; the
                              sequence of floating-point operations on O is the Triton kernel's)
-    out = bf16(O · (1/l))
+    out = bf16(O · (1/l))   (sage3: bf16(O · (1/(l·2688))))
 
 The accumulator layout is the Triton kernel's (wgmma m64n128k16, 4 warps per 64 rows, the same
 thread ↔ element map), so the row reductions visit the same elements in the same order.
 
-Status: on an H100 (Triton 3.6.0, 2026-11-24) its outputs are bit-identical to the Triton
-kernel's (tests/test_kernels_gluon.py, random and outlier-heavy inputs, ragged tiles, the Wan
-shape), and at the Wan 1.3B 480p shape it takes 14.4–14.6 ms against the Triton kernel's 17.4
-(docs/benchmarks.md). ``backend="auto"`` runs it for the ``nvfp4`` forward wherever
-:func:`gluon_unsupported` accepts the inputs (:func:`attnqat.kernels._schedule`). It also compiles
+Status: on an H100 (Triton 3.6.0, 2026-11-24) its nvfp4 outputs are bit-identical to the Triton
+kernel's, and its sage3 outputs within 1e-3 of them (bit-identical with the correction row zeroed;
+tests/test_kernels_gluon.py, random and outlier-heavy inputs, ragged tiles, the Wan shape). At the
+Wan 1.3B 480p shape: nvfp4 14.4 ms against the Triton kernel's 17.6, sage3 16.8 ms (preparation
+included) against 22.7 (docs/benchmarks.md). ``backend="auto"`` runs it for both wherever
+:func:`gluon_unsupported` accepts the operands (:func:`choose_schedule`). It also compiles
 under Triton 3.9 (the two spellings of the TMA load and of the shared-memory reinterpretation are
 picked at import); ``attnqat bench kernels --sass 90`` reads its machine code without a GPU
 (:func:`.sass.gluon_report`).

@@ -55,11 +55,7 @@ def compile_forward(arch: int, p_mode: int, need_o2: bool = False, warp_spec: bo
     from triton.compiler import ASTSource  # noqa: PLC0415
 
     from .attention_fwd import attn_fwd_kernel  # noqa: PLC0415
-    from .quantize import INTERPRET  # noqa: PLC0415
-
-    if INTERPRET:
-        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted Python then, "
-                           "not compiled; unset it to read their machine code")
+    _check_compiled()
     _, S, H, D = shape
     consts = dict(D=D, BM=BM, BN=128, P_MODE=p_mode, NEED_O2=need_o2, HAS_BIAS=has_bias,
                   STORE_STATS=need_o2, FORMULATION=0, WARP_SPEC=warp_spec)
@@ -73,6 +69,56 @@ def compile_forward(arch: int, p_mode: int, need_o2: bool = False, warp_spec: bo
     src = ASTSource(fn=attn_fwd_kernel, **_specialize(attn_fwd_kernel.arg_names, consts, typed, ints))
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def _check_compiled() -> None:
+    from .quantize import INTERPRET  # noqa: PLC0415
+
+    if INTERPRET:
+        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted Python then, "
+                           "not compiled; unset it to read their machine code")
+
+
+def compile_dkdv(arch: int, quant_p: bool, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128)):
+    """The backward's dK/dV kernel (:func:`.attention_bwd._bwd_dkdv_kernel`) with its default tiles
+    (:data:`.attention_bwd.BWD_CONFIGS`), compiled for ``sm_<arch>`` as the launcher compiles it for
+    contiguous (B, S, H, D) = ``shape`` tensors: ``quant_p`` True is attnqat (the P quantizer on the
+    transposed tile), False dropin. No GPU needed."""
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    from .attention_bwd import BWD_CONFIGS, LONG_QUERIES, _bwd_dkdv_kernel  # noqa: PLC0415
+
+    _check_compiled()
+    _, S, H, D = shape
+    cfg = dict(BWD_CONFIGS[D]["dkdv"])
+    if S > LONG_QUERIES:
+        cfg["num_stages"] = 2
+    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    consts = dict(D=D, QUANT_P=quant_p, **cfg)
+    typed = {n: ("*bf16", True) for n in ("Q", "K", "V", "DO", "DK", "DV")}
+    typed |= {n: ("*fp32", True) for n in ("LSE2", "M2", "DELTA")}
+    typed |= {"qk_scale": ("fp32", False), "sm_scale": ("fp32", False)}
+    ints = {"H": H, "Sq": S, "Skv": S}
+    for t in ("q", "k", "v", "do", "dk", "dv"):
+        ints.update(zip((f"s{t}b", f"s{t}s", f"s{t}h", f"s{t}d"), (S * H * D, H * D, D, 1)))
+    src = ASTSource(fn=_bwd_dkdv_kernel, **_specialize(_bwd_dkdv_kernel.arg_names, consts, typed, ints))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def dkdv_table(arch: int) -> list[dict]:
+    """The dK/dV kernel's main loop (per query tile of BM × BN scores: 32 per thread at the default
+    64 × 128 tile and 8 warps) with and without the P quantizer: length and mix."""
+    rows, base = [], None
+    for name, quant_p in (("dK/dV, dropin (no P quantizer)", False), ("dK/dV, attnqat (P quantizer)", True)):
+        s = summarize(compile_dkdv(arch, quant_p))
+        base = s.loop if base is None else base
+        rows.append(dict(name=name, arch=arch, total=s.total, loop=s.loop, per_score=(s.loop - base) / 32,
+                         warps=s.num_warps, warp_specialize_ops=s.warp_specialize_ops,
+                         loop_mix=dict(s.loop_mix.most_common(10))))
+    return rows
 
 
 def _specialize(names, consts: dict, typed: dict, ints: dict) -> dict:
@@ -185,13 +231,10 @@ def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = 
     import triton  # noqa: PLC0415
 
     from . import gluon_fwd as G  # noqa: PLC0415
-    from .quantize import INTERPRET  # noqa: PLC0415
 
     if G.GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"triton {triton.__version__} has no usable Gluon ({G.GLUON_IMPORT_ERROR})")
-    if INTERPRET:
-        raise RuntimeError("TRITON_INTERPRET is set: the kernels are interpreted Python then, "
-                           "not compiled; unset it to read their machine code")
+    _check_compiled()
     import torch  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
@@ -305,5 +348,5 @@ def print_gluon(report: dict) -> None:
                       f"setmaxnreg {f['setmaxnreg']}")
 
 
-__all__ = ["VARIANTS", "Sass", "compile_forward", "compile_gluon_forward", "disassemble", "gluon_facts",
+__all__ = ["VARIANTS", "Sass", "compile_dkdv", "compile_forward", "dkdv_table", "compile_gluon_forward", "disassemble", "gluon_facts",
            "gluon_report", "parse", "print_gluon", "print_table", "summarize", "table"]

@@ -50,6 +50,12 @@ def test_hopper_machine_code_of_the_quantizers(tmp_path):
     assert 4 < q["per_score"] < 30 and o2["per_score"] > q["per_score"]
     assert rows["sage3 P quantizer"]["per_score"] > 4
     assert "no P quantizer" in res.stdout
+    # the backward's dK/dV loop: the P quantizer on the transposed tile costs more per score than
+    # the forward's (2 scores per thread and 16-key block instead of 4, one more shuffle level)
+    dropin, attnqat = json.loads(out.read_text())["dkdv"]
+    assert dropin["per_score"] == 0 and dropin["loop"] > 100
+    assert attnqat["per_score"] > q["per_score"]
+    assert attnqat["loop_mix"].get("SHFL", 0) > dropin["loop_mix"].get("SHFL", 0)
 
 
 def test_interpreted_kernels_cannot_be_disassembled():
@@ -57,3 +63,5 @@ def test_interpreted_kernels_cannot_be_disassembled():
         pytest.skip("runs only under the Triton interpreter")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         sass.compile_forward(90, 1)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        sass.compile_dkdv(90, True)
