@@ -172,14 +172,14 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
     ``"triton"`` the Triton kernel; default: Gluon wherever it takes the inputs (faster on an H100;
     nvfp4: the same bits; sage3: the same arithmetic, its correction row added by the tensor cores).
     """
+    if schedule is not None and method not in ("nvfp4", "sage3"):
+        raise ValueError(f"schedule applies to the inference methods 'nvfp4' and 'sage3', not {method!r}")
     why = _why_not(q, k, v, method, allow_cpu=interpreting())
     if why is not None:
         raise ValueError(f"attnqat.kernels.triton_attention cannot run method {method!r}: {why}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    if schedule is not None and method not in ("nvfp4", "sage3"):
-        raise ValueError(f"schedule applies to the inference methods 'nvfp4' and 'sage3', not {method!r}")
     if method in ("nvfp4", "sage3"):
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             raise RuntimeError(f"method {method!r} is inference-only and has no backward; use 'attnqat' "

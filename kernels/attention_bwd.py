@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_fwd import cast, mma, quantize_p_cols
+from .attention_fwd import cast, mma, quantize_p_cols, quantize_p_rows
 
 
 @triton.jit
@@ -93,12 +93,62 @@ def _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
 
 
 @triton.jit
+def _dkdv_step_natural(dkt, dvt, kt, vt, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+                       sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d,
+                       BM: tl.constexpr, BN: tl.constexpr, QUANT_P: tl.constexpr,
+                       MASK_N: tl.constexpr, MASK_M: tl.constexpr):
+    """:func:`_dkdv_step` on the untransposed tile: S [BM queries, BN keys], so P's 16-key blocks
+    lie along a thread's row (4 scores per thread and block, 2 shuffle levels, the quantizer of
+    the forward), with dKᵀ and dVᵀ [D, BN] accumulated as dOᵀ Pᶠ and Qᵀ dS (Pᶠ and dS become
+    shared-memory operands instead of register ones). Same values as :func:`_dkdv_step`."""
+    offs_m = start_m + tl.arange(0, BM)
+    m_ok = offs_m < Sq
+    q_ptrs = Q + offs_m[:, None] * sqs + offs_d[None, :] * sqd
+    do_ptrs = DO + offs_m[:, None] * sdos + offs_d[None, :] * sdod
+    if MASK_M:
+        q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
+        lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))
+        di = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+    else:
+        q = tl.load(q_ptrs)
+        lse2 = tl.load(LSE2 + offs_m)
+        di = tl.load(DELTA + offs_m)
+    s = mma(q, kt, None)                                            # S [BM queries, BN keys]
+    if MASK_N:
+        s = tl.where(kv_ok[None, :], s, float("-inf"))
+    if QUANT_P:
+        if MASK_M:
+            m2 = tl.load(M2 + offs_m, mask=m_ok, other=float("inf"))
+            c = tl.where(m_ok, tl.exp2(m2 - lse2), 0.0)
+        else:
+            m2 = tl.load(M2 + offs_m)
+            c = tl.exp2(m2 - lse2)
+        p_tilde = tl.exp2(s * qk_scale - m2[:, None])           # relative to the final row max
+        p = p_tilde * c[:, None]
+        pf = quantize_p_rows(p_tilde, BM, BN, 1) * c[:, None]   # mode 1: NVFP4 (P_NVFP4)
+    else:
+        p = tl.exp2(s * qk_scale - lse2[:, None])
+        pf = p
+    if MASK_M:
+        do = tl.load(do_ptrs, mask=m_ok[:, None], other=0.0)
+    else:
+        do = tl.load(do_ptrs)
+    dvt = mma(tl.trans(do), cast(pf, do.dtype), dvt)
+    dp = mma(do, vt, None)                                          # dP [BM, BN]
+    ds = p * (dp - di[:, None])
+    dkt = mma(tl.trans(q), cast(ds, q.dtype), dkt)
+    return dkt, dvt
+
+
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE2, M2, DELTA,
                      sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                      sdob, sdos, sdoh, sdod, sdkb, sdks, sdkh, sdkd, sdvb, sdvs, sdvh, sdvd,
                      H, Sq, Skv, qk_scale, sm_scale,
-                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QUANT_P: tl.constexpr):
-    """Grid: (cdiv(Skv, BN), B·H). dK, dV of BN keys, accumulated over every query block."""
+                     D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QUANT_P: tl.constexpr,
+                     NATURAL: tl.constexpr = False):
+    """Grid: (cdiv(Skv, BN), B·H). dK, dV of BN keys, accumulated over every query block.
+    NATURAL: the untransposed tile (:func:`_dkdv_step_natural`), else Sᵀ (:func:`_dkdv_step`)."""
     start_n = tl.program_id(0) * BN
     bh = tl.program_id(1)
     b = bh // H
@@ -115,20 +165,42 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE2, M2, DELTA,
     LSE2 += bh.to(tl.int64) * Sq
     M2 += bh.to(tl.int64) * Sq
     DELTA += bh.to(tl.int64) * Sq
-    dk = tl.zeros([BN, D], tl.float32)
-    dv = tl.zeros([BN, D], tl.float32)
     m_full = Sq // BM * BM
-    if start_n + BN <= Skv:
-        for start_m in range(0, m_full, BM):
-            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
-                                sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, False, False)
-    else:  # the ragged last key block: keys beyond Skv masked out of P
-        for start_m in range(0, m_full, BM):
-            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
-                                sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, True, False)
-    if m_full < Sq:
-        dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, m_full, Sq, qk_scale,
-                            sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, True, True)
+    if NATURAL:
+        kt = tl.trans(k)
+        vt = tl.trans(v)
+        dkt = tl.zeros([D, BN], tl.float32)
+        dvt = tl.zeros([D, BN], tl.float32)
+        if start_n + BN <= Skv:
+            for start_m in range(0, m_full, BM):
+                dkt, dvt = _dkdv_step_natural(dkt, dvt, kt, vt, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+                                              sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P,
+                                              False, False)
+        else:
+            for start_m in range(0, m_full, BM):
+                dkt, dvt = _dkdv_step_natural(dkt, dvt, kt, vt, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+                                              sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P,
+                                              True, False)
+        if m_full < Sq:
+            dkt, dvt = _dkdv_step_natural(dkt, dvt, kt, vt, Q, DO, LSE2, M2, DELTA, m_full, Sq, qk_scale,
+                                          sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P,
+                                          True, True)
+        dk = tl.trans(dkt)
+        dv = tl.trans(dvt)
+    else:
+        dk = tl.zeros([BN, D], tl.float32)
+        dv = tl.zeros([BN, D], tl.float32)
+        if start_n + BN <= Skv:
+            for start_m in range(0, m_full, BM):
+                dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+                                    sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, False, False)
+        else:  # the ragged last key block: keys beyond Skv masked out of P
+            for start_m in range(0, m_full, BM):
+                dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+                                    sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, True, False)
+        if m_full < Sq:
+            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, m_full, Sq, qk_scale,
+                                sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, True, True)
     dk = dk * sm_scale
     tl.store(DK + b.to(tl.int64) * sdkb + h.to(tl.int64) * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
              cast(dk, DK.dtype.element_ty), mask=kv_ok[:, None])
@@ -196,16 +268,30 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE2, DELTA,
 # Launch
 # ----------------------------------------------------------------------------------------------
 
-# Tile configurations by head_dim, measured on the H100 (docs/kernels_notes.md). The dK/dV loop
-# runs without prefetching (1 stage) up to 32K queries and with 2 stages beyond: measured 59.6 vs
-# 67.5 ms at 32,760 queries, 536 vs 467 ms (forward+backward) at 75,600.
+# Tile configurations by head_dim, measured on the H100 (docs/kernels_notes.md). attnqat's dK/dV
+# runs the untransposed tile (its P quantizer is the forward's: half the cost of the transposed
+# tile's), 64 × 64 on 4 warps: 53.2 against 57.5 ms at 32,760 queries (D 128), 298.9 against
+# 329.5 at 75,600, with 2 stages at D 64 (60.3 against 92.3 ms, H 24) — bit-identical results.
+# dropin (no quantizer) stays on the transposed tile (46.2 against 47.1 ms), without prefetching
+# (1 stage) up to 32K queries and with 2 stages beyond: measured 59.6 vs 67.5 ms at 32,760
+# queries, 536 vs 467 ms (forward+backward) at 75,600.
 BWD_CONFIGS = {
-    64: dict(dkdv=dict(BM=64, BN=128, num_warps=8, num_stages=1),
+    64: dict(dkdv=dict(BM=64, BN=64, num_warps=4, num_stages=2, NATURAL=True),
+             dkdv_dropin=dict(BM=64, BN=128, num_warps=8, num_stages=1, NATURAL=False),
              dq=dict(BM=128, BN=64, num_warps=8, num_stages=3)),
-    128: dict(dkdv=dict(BM=64, BN=128, num_warps=8, num_stages=1),
+    128: dict(dkdv=dict(BM=64, BN=64, num_warps=4, num_stages=1, NATURAL=True),
+              dkdv_dropin=dict(BM=64, BN=128, num_warps=8, num_stages=1, NATURAL=False),
               dq=dict(BM=128, BN=64, num_warps=8, num_stages=3)),
 }
-LONG_QUERIES = 32768  # above this the dK/dV loop prefetches (num_stages=2)
+LONG_QUERIES = 32768  # above this the transposed dK/dV loop prefetches (num_stages=2)
+
+
+def dkdv_config(D: int, Sq: int, quant_p: bool) -> dict:
+    """The dK/dV kernel's default launch configuration (tiles, warps, stages, orientation)."""
+    cfg = dict(BWD_CONFIGS[D]["dkdv" if quant_p else "dkdv_dropin"])
+    if not cfg["NATURAL"] and Sq > LONG_QUERIES:
+        cfg["num_stages"] = 2
+    return cfg
 
 
 def _s4(t):
@@ -218,14 +304,14 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
     ``q, k, v``: the operands the backward recomputes S from (Qᶠ, Kᶠ, Vᶠ for attnqat; the inputs for
     dropin). ``o``: the output D is taken from (O' for attnqat, the FP4 O for dropin). ``lse2``,
     ``m2``: the forward's log-sum-exp and final row maximum in log2 units, (B, H, Sq) float32.
+    ``config``: overrides of the ``"dkdv"`` (:func:`dkdv_config`; ``NATURAL`` picks the tile's
+    orientation) and ``"dq"`` launch configurations.
     """
     import torch  # noqa: PLC0415
 
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
-    cfg = {key: dict(val) for key, val in BWD_CONFIGS[D].items()}
-    if Sq > LONG_QUERIES:
-        cfg["dkdv"]["num_stages"] = 2
+    cfg = dict(dkdv=dkdv_config(D, Sq, quant_p), dq=dict(BWD_CONFIGS[D]["dq"]))
     for key, val in (config or {}).items():
         cfg[key].update(val)
     delta = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)

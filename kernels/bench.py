@@ -380,7 +380,8 @@ def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
 
 
 def time_backward_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
-    """The attnqat backward alone (D, dK/dV, dQ launches) under several tile configurations."""
+    """The attnqat backward alone (D, dK/dV, dQ launches) under several tile configurations, and
+    the dropin backward (no P quantizer) for what the quantizer costs."""
     from . import attention_bwd as Bw  # noqa: PLC0415
     from . import attention_fwd as F  # noqa: PLC0415
     from . import quantize as kq  # noqa: PLC0415
@@ -393,16 +394,24 @@ def time_backward_variants(rep_ms: float, shape: dict | None = None) -> list[dic
     do = torch.randn_like(q)
     flops = 2.5 * fwd_flops(B, H, Sq, Skv, D)
     rows = []
-    dkdv = [dict(BM=64, BN=128, num_warps=8, num_stages=1), dict(BM=64, BN=128, num_warps=8, num_stages=2)]
+    dkdv = [dict(BM=64, BN=128, num_warps=8, num_stages=1, NATURAL=False),
+            dict(BM=64, BN=128, num_warps=8, num_stages=2, NATURAL=False)]
     dq = [dict(BM=128, BN=64, num_warps=8, num_stages=2), dict(BM=64, BN=128, num_warps=4, num_stages=2)]
-    cases = [(f"dkdv {c}", dict(dkdv=c)) for c in dkdv] + [(f"dq {c}", dict(dq=c)) for c in dq]
-    cases += [("dropin (no P quantizer) default tiles", None)]
+    # the untransposed dK/dV tile (S [queries, keys]: the forward's quantizer; Pᶠ and dS as
+    # shared-memory operands): attnqat's default is 64 × 64 on 4 warps
+    natural = dict(BM=64, BN=64, num_warps=4, num_stages=1, NATURAL=True)
+    dkdv += [dict(BM=128, BN=64, num_warps=8, num_stages=1, NATURAL=True),
+             dict(BM=64, BN=64, num_warps=4, num_stages=2, NATURAL=True)]
+    cases = [("attnqat default tiles", None)]
+    cases += [(f"dkdv {c}", dict(dkdv=c)) for c in dkdv] + [(f"dq {c}", dict(dq=c)) for c in dq]
+    cases += [("dropin (no P quantizer) default tiles", None),
+              ("dropin (no P quantizer), dkdv untransposed 64x64", dict(dkdv=natural))]
     for name, cfg in cases:
         row = dict(name=name)
         try:
-            if cfg is None:
-                fn = lambda: Bw.attention_backward(q, k, v, o2, do, lse2, None, sm_scale=D ** -0.5,  # noqa: E731
-                                                   quant_p=False)
+            if name.startswith("dropin"):
+                fn = lambda cfg=cfg: Bw.attention_backward(q, k, v, o2, do, lse2, None,  # noqa: E731
+                                                           sm_scale=D ** -0.5, quant_p=False, config=cfg)
             else:
                 fn = lambda cfg=cfg: Bw.attention_backward(qf, kf, vf, o2, do, lse2, m2,  # noqa: E731
                                                            sm_scale=D ** -0.5, quant_p=True, config=cfg)

@@ -49,9 +49,9 @@ thread ↔ element map), so the row reductions visit the same elements in the sa
 Status: on an H100 (Triton 3.6.0, 2026-11-24) its nvfp4 outputs are bit-identical to the Triton
 kernel's, and its sage3 outputs within 1e-3 of them (bit-identical with the correction row zeroed;
 tests/test_kernels_gluon.py, random and outlier-heavy inputs, ragged tiles, the Wan shape). At the
-Wan 1.3B 480p shape: nvfp4 14.4 ms against the Triton kernel's 17.6, sage3 16.8 ms (preparation
-included) against 22.7 (docs/benchmarks.md). ``backend="auto"`` runs it for both wherever
-:func:`gluon_unsupported` accepts the operands (:func:`choose_schedule`). It also compiles
+Wan 1.3B 480p shape: nvfp4 14.4 ms against the Triton kernel's 17.3–18.3, sage3 16.8–16.9 ms
+(preparation included) against 22.7–22.8 (docs/benchmarks.md). ``backend="auto"`` runs it for
+both wherever :func:`gluon_unsupported` accepts the operands (:func:`choose_schedule`). It also compiles
 under Triton 3.9 (the two spellings of the TMA load and of the shared-memory reinterpretation are
 picked at import); ``attnqat bench kernels --sass 90`` reads its machine code without a GPU
 (:func:`.sass.gluon_report`).

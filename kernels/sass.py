@@ -79,22 +79,22 @@ def _check_compiled() -> None:
                            "not compiled; unset it to read their machine code")
 
 
-def compile_dkdv(arch: int, quant_p: bool, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128)):
-    """The backward's dK/dV kernel (:func:`.attention_bwd._bwd_dkdv_kernel`) with its default tiles
-    (:data:`.attention_bwd.BWD_CONFIGS`), compiled for ``sm_<arch>`` as the launcher compiles it for
+def compile_dkdv(arch: int, quant_p: bool, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
+                 config: dict | None = None):
+    """The backward's dK/dV kernel (:func:`.attention_bwd._bwd_dkdv_kernel`) with its default launch
+    (:func:`.attention_bwd.dkdv_config`), compiled for ``sm_<arch>`` as the launcher compiles it for
     contiguous (B, S, H, D) = ``shape`` tensors: ``quant_p`` True is attnqat (the P quantizer on the
-    transposed tile), False dropin. No GPU needed."""
+    tile), False dropin; ``config``: overrides (``NATURAL``: the tile's orientation). No GPU needed."""
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
     from triton.compiler import ASTSource  # noqa: PLC0415
 
-    from .attention_bwd import BWD_CONFIGS, LONG_QUERIES, _bwd_dkdv_kernel  # noqa: PLC0415
+    from .attention_bwd import _bwd_dkdv_kernel, dkdv_config  # noqa: PLC0415
 
     _check_compiled()
     _, S, H, D = shape
-    cfg = dict(BWD_CONFIGS[D]["dkdv"])
-    if S > LONG_QUERIES:
-        cfg["num_stages"] = 2
+    cfg = dkdv_config(D, S, quant_p)
+    cfg.update(config or {})
     num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     consts = dict(D=D, QUANT_P=quant_p, **cfg)
     typed = {n: ("*bf16", True) for n in ("Q", "K", "V", "DO", "DK", "DV")}
@@ -109,13 +109,22 @@ def compile_dkdv(arch: int, quant_p: bool, *, shape: tuple[int, int, int, int] =
 
 
 def dkdv_table(arch: int) -> list[dict]:
-    """The dK/dV kernel's main loop (per query tile of BM × BN scores: 32 per thread at the default
-    64 × 128 tile and 8 warps) with and without the P quantizer: length and mix."""
+    """The dK/dV kernel's main loop, per query tile, without the P quantizer (dropin's launch) and
+    with it on the transposed 64 × 128 tile and on the untransposed 64 × 64 one (attnqat's
+    default): length, length per score against dropin's, and the mix."""
+    transposed = dict(BM=64, BN=128, num_warps=8, num_stages=1, NATURAL=False)
+    natural = dict(BM=64, BN=64, num_warps=4, num_stages=1, NATURAL=True)
     rows, base = [], None
-    for name, quant_p in (("dK/dV, dropin (no P quantizer)", False), ("dK/dV, attnqat (P quantizer)", True)):
-        s = summarize(compile_dkdv(arch, quant_p))
-        base = s.loop if base is None else base
-        rows.append(dict(name=name, arch=arch, total=s.total, loop=s.loop, per_score=(s.loop - base) / 32,
+    for name, quant_p, cfg in (("dK/dV, dropin (no P quantizer), Sᵀ 128x64", False, transposed),
+                               ("dK/dV, attnqat, Sᵀ 128x64", True, transposed),
+                               ("dK/dV, dropin, S 64x64 (4 warps)", False, natural),
+                               ("dK/dV, attnqat, S 64x64 (default)", True, None)):
+        k = compile_dkdv(arch, quant_p, config=cfg)
+        s = summarize(k)
+        scores = (cfg or {}).get("BM", 64) * (cfg or {}).get("BN", 64) / (32 * s.num_warps)
+        if base is None or not quant_p:
+            base = s.loop
+        rows.append(dict(name=name, arch=arch, total=s.total, loop=s.loop, per_score=(s.loop - base) / scores,
                          warps=s.num_warps, warp_specialize_ops=s.warp_specialize_ops,
                          loop_mix=dict(s.loop_mix.most_common(10))))
     return rows

@@ -281,6 +281,27 @@ def test_training_forward_and_gradients_match_reference(method, case, outliers):
         assert rel_error(got, want) < TOL, name
 
 
+@pytest.mark.parametrize("quant_p", [True, False], ids=["attnqat", "dropin"])
+def test_dkdv_tile_orientations_compute_the_same(quant_p):
+    """The dK/dV kernel's two orientations — S [queries, keys] with dKᵀ, dVᵀ accumulated (attnqat's
+    default) and Sᵀ [keys, queries] (dropin's) — quantize the same P̃ blocks with the same
+    arithmetic: their gradients agree to the float32 summation order (on an H100 bit for bit),
+    ragged query and key tiles included."""
+    from attnqat.kernels.attention_bwd import attention_backward
+
+    q, k, v = make_qkv(Sq=150, Skv=200, H=2, D=64, outliers=True, seed=14)
+    qf, kf, vf = kq.fake_quantize_nvfp4(q, -1), kq.fake_quantize_nvfp4(k, -1), kq.fake_quantize_nvfp4(v, 1)
+    _, o2, lse2, m2 = F.attention_forward(qf, kf, vf, sm_scale=0.125, need_o2=True, store_stats=True)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(15)).to(DEV, q.dtype)
+    ops = (qf, kf, vf, o2, do, lse2, m2 if quant_p else None)
+    grads = {nat: attention_backward(*ops, sm_scale=0.125, quant_p=quant_p, config=dict(dkdv=dict(
+        NATURAL=nat, BM=64, BN=64 if nat else 128, num_warps=4 if nat else 8, num_stages=1)))
+        for nat in (True, False)}
+    assert torch.equal(grads[True][0], grads[False][0]), "dQ comes from the same dQ kernel"
+    for name, a, b in zip(("dk", "dv"), grads[True][1:], grads[False][1:]):
+        assert rel_error(a, b) < 1e-4, name
+
+
 def test_attnqat_and_dropin_backwards_differ():
     q, k, v = make_qkv(Sq=128, Skv=128, H=1, seed=13)
     do = torch.randn_like(q)
