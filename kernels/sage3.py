@@ -6,11 +6,11 @@ quantize kernel, so no full-size float32 copy is made). The correction q̄·K_s�
 per 128-query block and key, (B, H, ceil(Sq/128), Skv), computed on the tensor cores with q̄ split
 in two 16-bit parts (:func:`_sage3_bias_kernel`); the attention kernel adds it to Q_sᶠ K_sᶠᵀ before
 the softmax (the Gluon kernel on Hopper: one more k-step of Q_sᶠ K_sᶠᵀ, the row as three bf16
-parts). The smoothed Q, K are
-quantized along head_dim and V along tokens by the quantize kernel, and P takes SageAttention3's
-two-level quantizer (``P_SAGE3`` in :mod:`attnqat.kernels.attention_fwd`). The means may differ
-from the reference's in the last bit (summation order), which moves a code only where a value sits
-on a rounding boundary: the outputs are compared within tolerance, not bit for bit.
+parts). The smoothed Q, K are quantized along head_dim and V along tokens by the quantize kernel,
+and P takes SageAttention3's two-level quantizer (``P_SAGE3`` in :mod:`attnqat.kernels.attention_fwd`).
+The means may differ from the reference's in the last bit (summation order), which moves a code
+only where a value sits on a rounding boundary: the outputs are compared within tolerance, not bit
+for bit.
 """
 
 from __future__ import annotations
