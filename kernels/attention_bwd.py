@@ -49,95 +49,76 @@ def _bwd_preprocess(O, DO, DELTA,
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
-               sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d,
-               BM: tl.constexpr, BN: tl.constexpr, QUANT_P: tl.constexpr,
-               MASK_N: tl.constexpr, MASK_M: tl.constexpr):
-    offs_m = start_m + tl.arange(0, BM)
-    m_ok = offs_m < Sq
-    qt_ptrs = Q + offs_m[None, :] * sqs + offs_d[:, None] * sqd
-    do_ptrs = DO + offs_m[:, None] * sdos + offs_d[None, :] * sdod
-    if MASK_M:
-        qt = tl.load(qt_ptrs, mask=m_ok[None, :], other=0.0)
-        lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))
-        di = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+def _load_rows(ptrs, ok, MASK: tl.constexpr, other):
+    """``tl.load(ptrs)``, masked by ``ok`` (filling ``other``) only where MASK says rows may be out of range."""
+    if MASK:
+        return tl.load(ptrs, mask=ok, other=other)
     else:
-        qt = tl.load(qt_ptrs)
-        lse2 = tl.load(LSE2 + offs_m)
-        di = tl.load(DELTA + offs_m)
-    st = mma(k, qt, None)                                           # Sᵀ [BN keys, BM queries]
-    if MASK_N:
-        st = tl.where(kv_ok[:, None], st, float("-inf"))
-    if QUANT_P:
-        if MASK_M:
-            m2 = tl.load(M2 + offs_m, mask=m_ok, other=float("inf"))
-            c = tl.where(m_ok, tl.exp2(m2 - lse2), 0.0)
-        else:
-            m2 = tl.load(M2 + offs_m)
-            c = tl.exp2(m2 - lse2)
-        pt_tilde = tl.exp2(st * qk_scale - m2[None, :])          # relative to the final row max
-        pt = pt_tilde * c[None, :]
-        pft = quantize_p_cols(pt_tilde, BN, BM) * c[None, :]
-    else:
-        pt = tl.exp2(st * qk_scale - lse2[None, :])
-        pft = pt
-    if MASK_M:
-        do = tl.load(do_ptrs, mask=m_ok[:, None], other=0.0)
-    else:
-        do = tl.load(do_ptrs)
-    dv = mma(cast(pft, do.dtype), do, dv)
-    dpt = mma(v, tl.trans(do), None)                                # dPᵀ
-    dst = pt * (dpt - di[None, :])
-    dk = mma(cast(dst, qt.dtype), tl.trans(qt), dk)
-    return dk, dv
+        return tl.load(ptrs)
 
 
 @triton.jit
-def _dkdv_step_natural(dkt, dvt, kt, vt, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
-                       sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d,
-                       BM: tl.constexpr, BN: tl.constexpr, QUANT_P: tl.constexpr,
-                       MASK_N: tl.constexpr, MASK_M: tl.constexpr):
-    """:func:`_dkdv_step` on the untransposed tile: S [BM queries, BN keys], so P's 16-key blocks
-    lie along a thread's row (4 scores per thread and block, 2 shuffle levels, the quantizer of
-    the forward), with dKᵀ and dVᵀ [D, BN] accumulated as dOᵀ Pᶠ and Qᵀ dS (Pᶠ and dS become
-    shared-memory operands instead of register ones). Same values as :func:`_dkdv_step`."""
+def _dkdv_step(acc_k, acc_v, ka, va, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+               sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d,
+               BM: tl.constexpr, BN: tl.constexpr, QUANT_P: tl.constexpr, NATURAL: tl.constexpr,
+               MASK_N: tl.constexpr, MASK_M: tl.constexpr):
+    """One query block of the dK/dV loop, in either orientation (same values):
+
+    * NATURAL: S [BM queries, BN keys] = Q Kᵀ (``ka``, ``va`` = Kᵀ, Vᵀ), so P's 16-key blocks lie
+      along a thread's row (4 scores per thread and block, 2 shuffle levels: the forward's
+      quantizer); ``acc_k``, ``acc_v`` are dKᵀ, dVᵀ [D, BN], accumulated as Qᵀ dS and dOᵀ Pᶠ (Pᶠ and
+      dS become shared-memory operands).
+    * else Sᵀ [BN keys, BM queries] = K Qᵀ (``ka``, ``va`` = K, V): a 16-key block runs down a warp's
+      rows (2 scores per thread and block, 3 shuffle levels); dK, dV [BN, D] with Pᶠᵀ and dSᵀ as
+      register operands."""
     offs_m = start_m + tl.arange(0, BM)
     m_ok = offs_m < Sq
-    q_ptrs = Q + offs_m[:, None] * sqs + offs_d[None, :] * sqd
-    do_ptrs = DO + offs_m[:, None] * sdos + offs_d[None, :] * sdod
-    if MASK_M:
-        q = tl.load(q_ptrs, mask=m_ok[:, None], other=0.0)
-        lse2 = tl.load(LSE2 + offs_m, mask=m_ok, other=float("inf"))
-        di = tl.load(DELTA + offs_m, mask=m_ok, other=0.0)
+    if NATURAL:
+        q = _load_rows(Q + offs_m[:, None] * sqs + offs_d[None, :] * sqd, m_ok[:, None], MASK_M, 0.0)
     else:
-        q = tl.load(q_ptrs)
-        lse2 = tl.load(LSE2 + offs_m)
-        di = tl.load(DELTA + offs_m)
-    s = mma(q, kt, None)                                            # S [BM queries, BN keys]
-    if MASK_N:
-        s = tl.where(kv_ok[None, :], s, float("-inf"))
+        q = _load_rows(Q + offs_m[None, :] * sqs + offs_d[:, None] * sqd, m_ok[None, :], MASK_M, 0.0)  # Qᵀ
+    lse2 = _load_rows(LSE2 + offs_m, m_ok, MASK_M, float("inf"))
+    di = _load_rows(DELTA + offs_m, m_ok, MASK_M, 0.0)
+    if NATURAL:
+        s = mma(q, ka, None)                                        # S [BM queries, BN keys]
+        if MASK_N:
+            s = tl.where(kv_ok[None, :], s, float("-inf"))
+    else:
+        s = mma(ka, q, None)                                        # Sᵀ [BN keys, BM queries]
+        if MASK_N:
+            s = tl.where(kv_ok[:, None], s, float("-inf"))
     if QUANT_P:
+        m2 = _load_rows(M2 + offs_m, m_ok, MASK_M, float("inf"))
         if MASK_M:
-            m2 = tl.load(M2 + offs_m, mask=m_ok, other=float("inf"))
             c = tl.where(m_ok, tl.exp2(m2 - lse2), 0.0)
         else:
-            m2 = tl.load(M2 + offs_m)
             c = tl.exp2(m2 - lse2)
-        p_tilde = tl.exp2(s * qk_scale - m2[:, None])           # relative to the final row max
-        p = p_tilde * c[:, None]
-        pf = quantize_p_rows(p_tilde, BM, BN, 1) * c[:, None]   # mode 1: NVFP4 (P_NVFP4)
+        if NATURAL:
+            p_tilde = tl.exp2(s * qk_scale - m2[:, None])       # relative to the final row max
+            p = p_tilde * c[:, None]
+            pf = quantize_p_rows(p_tilde, BM, BN, 1) * c[:, None]   # mode 1: NVFP4 (P_NVFP4)
+        else:
+            p_tilde = tl.exp2(s * qk_scale - m2[None, :])
+            p = p_tilde * c[None, :]
+            pf = quantize_p_cols(p_tilde, BN, BM) * c[None, :]
     else:
-        p = tl.exp2(s * qk_scale - lse2[:, None])
+        if NATURAL:
+            p = tl.exp2(s * qk_scale - lse2[:, None])
+        else:
+            p = tl.exp2(s * qk_scale - lse2[None, :])
         pf = p
-    if MASK_M:
-        do = tl.load(do_ptrs, mask=m_ok[:, None], other=0.0)
+    do = _load_rows(DO + offs_m[:, None] * sdos + offs_d[None, :] * sdod, m_ok[:, None], MASK_M, 0.0)
+    if NATURAL:
+        acc_v = mma(tl.trans(do), cast(pf, do.dtype), acc_v)
+        dp = mma(do, va, None)                                      # dP [BM, BN]
+        ds = p * (dp - di[:, None])
+        acc_k = mma(tl.trans(q), cast(ds, q.dtype), acc_k)
     else:
-        do = tl.load(do_ptrs)
-    dvt = mma(tl.trans(do), cast(pf, do.dtype), dvt)
-    dp = mma(do, vt, None)                                          # dP [BM, BN]
-    ds = p * (dp - di[:, None])
-    dkt = mma(tl.trans(q), cast(ds, q.dtype), dkt)
-    return dkt, dvt
+        acc_v = mma(cast(pf, do.dtype), do, acc_v)
+        dp = mma(va, tl.trans(do), None)                            # dPᵀ
+        ds = p * (dp - di[None, :])
+        acc_k = mma(cast(ds, q.dtype), tl.trans(q), acc_k)
+    return acc_k, acc_v
 
 
 @triton.jit
@@ -148,7 +129,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE2, M2, DELTA,
                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, QUANT_P: tl.constexpr,
                      NATURAL: tl.constexpr = False):
     """Grid: (cdiv(Skv, BN), B·H). dK, dV of BN keys, accumulated over every query block.
-    NATURAL: the untransposed tile (:func:`_dkdv_step_natural`), else Sᵀ (:func:`_dkdv_step`)."""
+    NATURAL: the untransposed tile, else Sᵀ (:func:`_dkdv_step`)."""
     start_n = tl.program_id(0) * BN
     bh = tl.program_id(1)
     b = bh // H
@@ -165,42 +146,33 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE2, M2, DELTA,
     LSE2 += bh.to(tl.int64) * Sq
     M2 += bh.to(tl.int64) * Sq
     DELTA += bh.to(tl.int64) * Sq
-    m_full = Sq // BM * BM
-    if NATURAL:
-        kt = tl.trans(k)
-        vt = tl.trans(v)
-        dkt = tl.zeros([D, BN], tl.float32)
-        dvt = tl.zeros([D, BN], tl.float32)
-        if start_n + BN <= Skv:
-            for start_m in range(0, m_full, BM):
-                dkt, dvt = _dkdv_step_natural(dkt, dvt, kt, vt, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
-                                              sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P,
-                                              False, False)
-        else:
-            for start_m in range(0, m_full, BM):
-                dkt, dvt = _dkdv_step_natural(dkt, dvt, kt, vt, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
-                                              sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P,
-                                              True, False)
-        if m_full < Sq:
-            dkt, dvt = _dkdv_step_natural(dkt, dvt, kt, vt, Q, DO, LSE2, M2, DELTA, m_full, Sq, qk_scale,
-                                          sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P,
-                                          True, True)
-        dk = tl.trans(dkt)
-        dv = tl.trans(dvt)
+    if NATURAL:   # the step's operands and accumulators in its orientation
+        ka, va = tl.trans(k), tl.trans(v)
+        acc_k = tl.zeros([D, BN], tl.float32)
+        acc_v = tl.zeros([D, BN], tl.float32)
     else:
-        dk = tl.zeros([BN, D], tl.float32)
-        dv = tl.zeros([BN, D], tl.float32)
-        if start_n + BN <= Skv:
-            for start_m in range(0, m_full, BM):
-                dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
-                                    sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, False, False)
-        else:  # the ragged last key block: keys beyond Skv masked out of P
-            for start_m in range(0, m_full, BM):
-                dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
-                                    sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, True, False)
-        if m_full < Sq:
-            dk, dv = _dkdv_step(dk, dv, k, v, Q, DO, LSE2, M2, DELTA, m_full, Sq, qk_scale,
-                                sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, True, True)
+        ka, va = k, v
+        acc_k = tl.zeros([BN, D], tl.float32)
+        acc_v = tl.zeros([BN, D], tl.float32)
+    m_full = Sq // BM * BM
+    if start_n + BN <= Skv:
+        for start_m in range(0, m_full, BM):
+            acc_k, acc_v = _dkdv_step(acc_k, acc_v, ka, va, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+                                      sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, NATURAL,
+                                      False, False)
+    else:  # the ragged last key block: keys beyond Skv masked out of P
+        for start_m in range(0, m_full, BM):
+            acc_k, acc_v = _dkdv_step(acc_k, acc_v, ka, va, Q, DO, LSE2, M2, DELTA, start_m, Sq, qk_scale,
+                                      sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, NATURAL,
+                                      True, False)
+    if m_full < Sq:
+        acc_k, acc_v = _dkdv_step(acc_k, acc_v, ka, va, Q, DO, LSE2, M2, DELTA, m_full, Sq, qk_scale,
+                                  sqs, sqd, sdos, sdod, offs_n, kv_ok, offs_d, BM, BN, QUANT_P, NATURAL,
+                                  True, True)
+    if NATURAL:
+        dk, dv = tl.trans(acc_k), tl.trans(acc_v)
+    else:
+        dk, dv = acc_k, acc_v
     dk = dk * sm_scale
     tl.store(DK + b.to(tl.int64) * sdkb + h.to(tl.int64) * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
              cast(dk, DK.dtype.element_ty), mask=kv_ok[:, None])

@@ -402,19 +402,17 @@ def time_backward_variants(rep_ms: float, shape: dict | None = None) -> list[dic
     natural = dict(BM=64, BN=64, num_warps=4, num_stages=1, NATURAL=True)
     dkdv += [dict(BM=128, BN=64, num_warps=8, num_stages=1, NATURAL=True),
              dict(BM=64, BN=64, num_warps=4, num_stages=2, NATURAL=True)]
-    cases = [("attnqat default tiles", None)]
-    cases += [(f"dkdv {c}", dict(dkdv=c)) for c in dkdv] + [(f"dq {c}", dict(dq=c)) for c in dq]
-    cases += [("dropin (no P quantizer) default tiles", None),
-              ("dropin (no P quantizer), dkdv untransposed 64x64", dict(dkdv=natural))]
-    for name, cfg in cases:
+    cases = [("attnqat default tiles", True, None)]
+    cases += [(f"dkdv {c}", True, dict(dkdv=c)) for c in dkdv] + [(f"dq {c}", True, dict(dq=c)) for c in dq]
+    cases += [("dropin (no P quantizer) default tiles", False, None),
+              ("dropin (no P quantizer), dkdv untransposed 64x64", False, dict(dkdv=natural))]
+    for name, quant_p, cfg in cases:
         row = dict(name=name)
+        # attnqat recomputes from the quantized operands and quantizes P; dropin from the inputs
+        ops = (qf, kf, vf, o2, do, lse2, m2) if quant_p else (q, k, v, o2, do, lse2, None)
         try:
-            if name.startswith("dropin"):
-                fn = lambda cfg=cfg: Bw.attention_backward(q, k, v, o2, do, lse2, None,  # noqa: E731
-                                                           sm_scale=D ** -0.5, quant_p=False, config=cfg)
-            else:
-                fn = lambda cfg=cfg: Bw.attention_backward(qf, kf, vf, o2, do, lse2, m2,  # noqa: E731
-                                                           sm_scale=D ** -0.5, quant_p=True, config=cfg)
+            fn = lambda ops=ops, quant_p=quant_p, cfg=cfg: Bw.attention_backward(  # noqa: E731
+                *ops, sm_scale=D ** -0.5, quant_p=quant_p, config=cfg)
             ms = _bench(fn, rep_ms)
             row.update(ms=ms, tflops=flops / ms * 1e-9)
             print(f"  {name:72s} {ms:8.2f} ms {row['tflops']:7.1f} TFLOP/s (2.5x fwd flops)", flush=True)
