@@ -9,8 +9,9 @@ Contract with :func:`attnqat.attention` (backend ``"triton"`` / ``"auto"``):
 
 Modules: :mod:`.quantize` (NVFP4 quantize/pack), :mod:`.attention_fwd` (the fused 4-bit forward:
 ``nvfp4`` inference and the ``attnqat`` training forward with O'), :mod:`.attention_bwd` (the
-``attnqat`` and ``dropin`` backward), :mod:`.gluon_fwd` (the ``nvfp4`` forward hand-scheduled in
-Gluon for Hopper: same bits, what ``backend="auto"`` runs there), :mod:`.sage3` (SageAttention3
+``attnqat`` and ``dropin`` backward), :mod:`.gluon_fwd` (the ``nvfp4`` and ``sage3`` forwards
+hand-scheduled in Gluon for Hopper: what ``backend="auto"`` runs there), :mod:`.gluon_bwd` (the
+backward's dK/dV kernel in Gluon for Hopper: same bits, likewise), :mod:`.sage3` (SageAttention3
 numerics), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
 
 Supported: CUDA tensors (or the Triton interpreter, ``TRITON_INTERPRET=1``, through

@@ -16,9 +16,10 @@ backward quantizes P relative to the row's final maximum). P is computed once as
 ``dropin``: unquantized Q, K, V, D = rowsum(dO ∘ O) with the FP4 output O, Pᶠ = P.
 
 Three launches: ``_bwd_preprocess`` (D), ``_bwd_dkdv_kernel`` (one program per key block, looping
-over query blocks, S computed transposed so that P's 16-key blocks lie along axis 0) and
-``_bwd_dq_kernel`` (one program per query block, looping over key blocks). No atomics: the result
-is deterministic.
+over query blocks; S in either orientation, :func:`_dkdv_step`) and ``_bwd_dq_kernel`` (one program
+per query block, looping over key blocks). No atomics: the result is deterministic. On Hopper the
+dK/dV launch is :func:`.gluon_bwd.gluon_dkdv` by default (the same values bit for bit, faster;
+:func:`choose_dkdv_schedule`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .attention_fwd import cast, mma, quantize_p_cols, quantize_p_rows
+from .quantize import INTERPRET
 
 
 @triton.jit
@@ -270,14 +272,36 @@ def _s4(t):
     return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
 
 
-def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bool, config=None):
+def choose_dkdv_schedule(q, k, v, do, schedule: str | None, config) -> str:
+    """Which kernel computes dK and dV: ``"gluon"`` (:mod:`.gluon_bwd`, Hopper; on an H100 faster,
+    docs/benchmarks.md) wherever it takes the operands, else ``"triton"``. A ``"dkdv"`` tile
+    override is the Triton kernel's, so it selects it; so does the Triton interpreter. An explicit
+    ``"gluon"`` that cannot run raises ValueError instead of silently running the other kernel."""
+    from .gluon_bwd import gluon_dkdv_unsupported  # noqa: PLC0415
+    from .gluon_fwd import check_schedule  # noqa: PLC0415
+
+    check_schedule(schedule)
+    if schedule == "triton" or (schedule is None and ("dkdv" in (config or {}) or INTERPRET.value)):
+        return "triton"
+    why = gluon_dkdv_unsupported(q, k, v, do)
+    if why is None:
+        return "gluon"
+    if schedule == "gluon":
+        raise ValueError(f"the Gluon dK/dV kernel cannot run these inputs: {why}")
+    return "triton"
+
+
+def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bool, config=None,
+                       schedule: str | None = None):
     """dQ, dK, dV (in q's dtype, (B, S, H, D)) of the 4-bit training methods.
 
     ``q, k, v``: the operands the backward recomputes S from (Qᶠ, Kᶠ, Vᶠ for attnqat; the inputs for
     dropin). ``o``: the output D is taken from (O' for attnqat, the FP4 O for dropin). ``lse2``,
     ``m2``: the forward's log-sum-exp and final row maximum in log2 units, (B, H, Sq) float32.
     ``config``: overrides of the ``"dkdv"`` (:func:`dkdv_config`; ``NATURAL`` picks the tile's
-    orientation) and ``"dq"`` launch configurations.
+    orientation; selects the Triton kernel), ``"gluon"`` (:data:`.gluon_bwd.CONFIG`) and ``"dq"``
+    launch configurations. ``schedule``: ``"gluon"`` | ``"triton"`` | None for the dK/dV kernel
+    (:func:`choose_dkdv_schedule`).
     """
     import torch  # noqa: PLC0415
 
@@ -285,7 +309,8 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
     Skv = k.shape[1]
     cfg = dict(dkdv=dkdv_config(D, Sq, quant_p), dq=dict(BWD_CONFIGS[D]["dq"]))
     for key, val in (config or {}).items():
-        cfg[key].update(val)
+        if key != "gluon":
+            cfg[key].update(val)
     delta = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
     _bwd_preprocess[(triton.cdiv(Sq, 64), B * H)](o, do, delta, *_s4(o), *_s4(do), H, Sq, D=D, BM=64,
                                                    num_warps=4)
@@ -293,11 +318,17 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
     dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
     dv = torch.empty(v.shape, device=q.device, dtype=q.dtype)
     qk_scale = sm_scale * 1.4426950408889634
-    c1 = cfg["dkdv"]
-    _bwd_dkdv_kernel[(triton.cdiv(Skv, c1["BN"]), B * H)](
-        q, k, v, do, dk, dv, lse2, m2 if m2 is not None else lse2, delta,
-        *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dk), *_s4(dv),
-        H, Sq, Skv, qk_scale, sm_scale, D=D, QUANT_P=quant_p, **c1)
+    if choose_dkdv_schedule(q, k, v, do, schedule, config) == "gluon":
+        from .gluon_bwd import gluon_dkdv  # noqa: PLC0415
+
+        gluon_dkdv(q, k, v, do, dk, dv, lse2, m2, delta, sm_scale=sm_scale, quant_p=quant_p,
+                   config=(config or {}).get("gluon"))
+    else:
+        c1 = cfg["dkdv"]
+        _bwd_dkdv_kernel[(triton.cdiv(Skv, c1["BN"]), B * H)](
+            q, k, v, do, dk, dv, lse2, m2 if m2 is not None else lse2, delta,
+            *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dk), *_s4(dv),
+            H, Sq, Skv, qk_scale, sm_scale, D=D, QUANT_P=quant_p, **c1)
     c2 = cfg["dq"]
     _bwd_dq_kernel[(triton.cdiv(Sq, c2["BM"]), B * H)](
         q, k, v, do, dq, lse2, delta,

@@ -81,8 +81,11 @@ try:  # Gluon is experimental: absent from older Triton builds
     # API renames after 3.6 (the GPU machine's version): both spellings are supported
     _PUBLIC_REINTERPRET: tl.constexpr = tl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
     _tma_async_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    # a barrier among the calling partition's threads: gl.thread_barrier in 3.6, gl.barrier later
+    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 except ImportError as _exc:  # pragma: no cover - depends on the installed Triton
     gluon = gl = fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_init = warpgroup_mma_wait = None
+    _thread_barrier = None
     TensorDescriptor = None
     GLUON_IMPORT_ERROR = f"{type(_exc).__name__}: {_exc}"
 

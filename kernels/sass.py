@@ -237,17 +237,12 @@ def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = 
     compile it for contiguous (B, S, H, D) = ``shape`` tensors (the descriptor types are what
     Triton's JIT derives from host ``TensorDescriptor``s; integer arguments divisible by 16 are
     marked so). No GPU needed. Returns Triton's compiled kernel (``.asm``: ttgir, ptx, cubin)."""
-    import triton  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+    from triton.runtime.jit import mangle_type  # noqa: PLC0415
 
     from . import gluon_fwd as G  # noqa: PLC0415
 
-    if G.GLUON_IMPORT_ERROR is not None:
-        raise RuntimeError(f"triton {triton.__version__} has no usable Gluon ({G.GLUON_IMPORT_ERROR})")
-    _check_compiled()
-    import torch  # noqa: PLC0415
-    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
-    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
-    from triton.runtime.jit import mangle_type  # noqa: PLC0415
+    _check_gluon()
 
     cfg = dict(G.CONFIG)
     cfg.update(config or {})
@@ -263,9 +258,20 @@ def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = 
     if method == "sage3":
         typed["b_desc"] = (mangle_type(G.bias_descriptor(torch.empty(1, G.BIAS_PARTS, G.BLOCK_N,
                                                                      dtype=torch.bfloat16))), False)
-    src = GluonASTSource(fn=fn, **_specialize(fn.arg_names, consts, typed, ints))
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=4, maxnreg=cfg["MAXNREG"]))
+    return _compile_gluon(fn, arch, consts, typed, ints, cfg["MAXNREG"])
+
+
+def _kernel_facts(kernel):
+    """A compiled kernel's disassembly, its :func:`_scan`, and the kernel-wide facts: instruction
+    count, spill instructions (LDL/STL), the ``setmaxnreg`` values in the PTX, registers (cuobjdump)."""
+    text = disassemble(kernel.asm["cubin"])
+    scan = _scan(text)
+    facts = dict(total=len(scan[0]), spill_instructions=sum(o.startswith(("LDL", "STL")) for o in scan[0]),
+                 setmaxnreg=[int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                        kernel.asm["ptx"])])
+    if m := re.search(r"REG:(\d+)", _cuda_tool("cuobjdump", ["-res-usage"], kernel.asm["cubin"])):
+        facts["registers"] = int(m.group(1))
+    return text, scan, facts
 
 
 def gluon_facts(kernel, head_dim: int, s_steps: int | None = None) -> dict:
@@ -277,14 +283,8 @@ def gluon_facts(kernel, head_dim: int, s_steps: int | None = None) -> dict:
     rounding instructions; for the kernel, spills (LDL/STL), registers (cuobjdump) and the
     ``setmaxnreg`` values in the PTX. ``s_steps``: k-steps of S per tile (default head_dim/16; the
     sage3 kernel has one more, its correction row)."""
-    text = disassemble(kernel.asm["cubin"])
-    ops, lines, labels, loops = _scan(text)
-    facts = dict(total=len(ops), spill_instructions=sum(o.startswith(("LDL", "STL")) for o in ops),
-                 setmaxnreg=[int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
-                                                        kernel.asm["ptx"])],
-                 consumer_loops=[])
-    if m := re.search(r"REG:(\d+)", _cuda_tool("cuobjdump", ["-res-usage"], kernel.asm["cubin"])):
-        facts["registers"] = int(m.group(1))
+    text, (ops, lines, labels, loops), facts = _kernel_facts(kernel)
+    facts["consumer_loops"] = []
     facts["max_register_index"] = max((int(r) for r in re.findall(r"\bR(\d+)\b", text)), default=-1)
     for a, e in loops:
         body = ops[a:e]
@@ -315,9 +315,82 @@ def gluon_facts(kernel, head_dim: int, s_steps: int | None = None) -> dict:
     return facts
 
 
+def _check_gluon() -> None:
+    import triton  # noqa: PLC0415
+
+    from .gluon_fwd import GLUON_IMPORT_ERROR  # noqa: PLC0415
+
+    if GLUON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"triton {triton.__version__} has no usable Gluon ({GLUON_IMPORT_ERROR})")
+    _check_compiled()
+
+
+def _compile_gluon(fn, arch: int, consts: dict, typed: dict, ints: dict, maxnreg: int):
+    """Gluon kernel ``fn`` compiled for ``sm_<arch>`` (4 warps in the default partition) from its
+    launch's argument types (:func:`_specialize`)."""
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+
+    src = GluonASTSource(fn=fn, **_specialize(fn.arg_names, consts, typed, ints))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, maxnreg=maxnreg))
+
+
+def compile_gluon_dkdv(arch: int = 90, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
+                       config: dict | None = None, quant_p: bool = True):
+    """The Gluon dK/dV kernel (:func:`.gluon_bwd.gluon_dkdv_kernel`; ``quant_p``: attnqat, else
+    dropin) compiled for ``sm_<arch>`` as :func:`.gluon_bwd.gluon_dkdv` compiles it for contiguous
+    (B, S, H, D) = ``shape`` tensors. No GPU needed."""
+    import torch  # noqa: PLC0415
+    from triton.runtime.jit import mangle_type  # noqa: PLC0415
+
+    from . import gluon_bwd as GB  # noqa: PLC0415
+
+    _check_gluon()
+
+    cfg = dict(GB.CONFIG)
+    cfg.update(config or {})
+    _, S, H, D = shape
+    t = torch.empty(1, GB.KEYS_PER_CTA, 1, D, dtype=torch.bfloat16)
+    q_ty, k_ty = mangle_type(GB._descriptor(t, GB.QUERY_BLOCK)), mangle_type(GB._descriptor(t, GB.KEYS_PER_CTA))
+    consts = dict(D=D, STAGES=cfg["STAGES"], QUANT_P=quant_p, CONSUMER_REGS=cfg["CONSUMER_REGS"],
+                  LOADER_REGS=cfg["LOADER_REGS"])
+    ints = dict(sdkb=S * H * D, sdks=H * D, sdkh=D, sdvb=S * H * D, sdvs=H * D, sdvh=D, H=H, Sq=S, Skv=S)
+    typed = {"q_desc": (q_ty, False), "do_desc": (q_ty, False), "k_desc": (k_ty, False), "v_desc": (k_ty, False),
+             "qk_scale": ("fp32", False), "sm_scale": ("fp32", False)}
+    typed |= {n: ("*bf16", True) for n in ("DK", "DV")} | {n: ("*fp32", True) for n in ("LSE2", "M2", "DELTA")}
+    fn = GB.gluon_dkdv_kernel
+    return _compile_gluon(fn, arch, consts, typed, ints, cfg["MAXNREG"])
+
+
+def gluon_dkdv_facts(kernel, head_dim: int) -> dict:
+    """What the compiled Gluon dK/dV kernel's SASS shows: per consumer query loop (the conditional
+    branch back around S_i and dP_i (head_dim/16 k-steps each), dV and dK (64 queries / 16 k-steps each) and the
+    exponentials) its length, HGMMA, wgmma waits (2 when ptxas kept the products asynchronous: S_i,
+    then dP_i; a serialized loop waits after every HGMMA) and spill instructions; for the kernel,
+    registers, spills and the ``setmaxnreg`` values."""
+    _, (ops, lines, _, loops), facts = _kernel_facts(kernel)
+    facts["query_loops"] = []
+    per_block = 2 * (head_dim // 16) + 2 * (64 // 16)
+    for a, e in loops:
+        body = ops[a:e]
+        if sum(o.startswith("HGMMA") for o in body) != per_block or "MUFU.EX2" not in body:
+            continue
+        if "@" not in lines[e - 1]:   # an mbarrier wait's out-of-line retry jumps back unconditionally
+            continue
+        facts["query_loops"].append(dict(
+            loop=len(body), hgmma=per_block, waits=sum(o.startswith("WARPGROUP.DEPBAR") for o in body),
+            spill_instructions=sum(o.startswith(("LDL", "STL")) for o in body),
+            ex2=sum(o == "MUFU.EX2" for o in body),
+            mix=dict(collections.Counter(o.split(".")[0] for o in body).most_common(12))))
+    return facts
+
+
 def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict:
     """{head_dim: :func:`gluon_facts` of the Gluon nvfp4 forward, plus ``sage3``: the same facts of
-    the Gluon sage3 forward (one more k-step of S per tile, its correction row); ``triton_loop``: the
+    the Gluon sage3 forward (one more k-step of S per tile, its correction row), ``dkdv``:
+    :func:`gluon_dkdv_facts` of the attnqat dK/dV kernel (its ``triton_loop``: the Triton dK/dV
+    kernel's default loop, per 64 × 64 tile on 4 warps); ``triton_loop``: the
     key loop length of the Triton kernel of the same method (sage3: with its correction row)
     compiled with the same Triton}; a kernel that does not compile reports ``error``. No GPU needed."""
     import triton  # noqa: PLC0415
@@ -336,6 +409,11 @@ def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict
                 f["triton_loop"] = summarize(compile_forward(arch, 2 if sage3 else 1, shape=(1, 32760, 12, D),
                                                              has_bias=sage3)).loop
             facts.update(f) if method == "nvfp4" else facts.update(sage3=f)
+        try:
+            facts["dkdv"] = gluon_dkdv_facts(compile_gluon_dkdv(arch, shape=(1, 32760, 12, D)), D)
+            facts["dkdv"]["triton_loop"] = summarize(compile_dkdv(arch, True, shape=(1, 32760, 12, D))).loop
+        except Exception as exc:  # noqa: BLE001 - reported
+            facts["dkdv"] = dict(error=f"{type(exc).__name__}: {exc}")
         facts["triton"] = triton.__version__
         report[D] = facts
     return report
@@ -355,7 +433,16 @@ def print_gluon(report: dict) -> None:
                       f"waits ({lp['waits_after_first_ex2']} after the first exponential), "
                       f"{f['registers']} registers, {f['spill_instructions']} spill instructions, "
                       f"setmaxnreg {f['setmaxnreg']}")
+        f = facts.get("dkdv", {})
+        if "error" in f:
+            print(f"gluon dK/dV D={D}: does not compile under triton {facts['triton']}: {f['error'][:200]}")
+            continue
+        for i, lp in enumerate(f.get("query_loops", [])):
+            print(f"gluon dK/dV D={D} consumer {i}: {lp['loop']} instructions per 64 x 64 block (Triton dK/dV "
+                  f"loop {f['triton_loop']} per 64 x 64 tile), {lp['hgmma']} HGMMA, {lp['waits']} waits, "
+                  f"{lp['spill_instructions']} spill instructions in the loop ({f['spill_instructions']} in the "
+                  f"kernel), {f['registers']} registers, setmaxnreg {f['setmaxnreg']}")
 
 
-__all__ = ["VARIANTS", "Sass", "compile_dkdv", "compile_forward", "dkdv_table", "compile_gluon_forward", "disassemble", "gluon_facts",
-           "gluon_report", "parse", "print_gluon", "print_table", "summarize", "table"]
+__all__ = ["VARIANTS", "Sass", "compile_dkdv", "compile_forward", "dkdv_table", "compile_gluon_dkdv",
+           "compile_gluon_forward", "disassemble", "gluon_dkdv_facts", "gluon_facts", "gluon_report", "parse", "print_gluon", "print_table", "summarize", "table"]

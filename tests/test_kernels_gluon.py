@@ -1,11 +1,13 @@
-"""The Gluon ``nvfp4`` forward for Hopper (kernels/gluon_fwd.py).
+"""The Gluon kernels for Hopper: the ``nvfp4``/``sage3`` forward (kernels/gluon_fwd.py) and the
+backward's dK/dV kernel (kernels/gluon_bwd.py).
 
 CPU: the kernel compiled for sm_90 (no GPU needed) and the machine-code facts that make it worth
 having over the Triton kernel — tensor-core work issued asynchronously with the PV product in
 flight during the softmax, no spills, register reallocation between the partitions, the P
 quantizer's rounding present, fewer instructions per key tile than the Triton kernel's loop.
 GPU (``pytest -m gpu``, Hopper only): outputs against the Triton forward on the same pre-quantized
-operands and against the PyTorch reference of the method, with test_kernels_gpu.py's tolerance.
+operands and against the PyTorch reference of the method, with test_kernels_gpu.py's tolerance;
+the dK/dV kernel's gradients against the Triton dK/dV kernel's, bit for bit.
 """
 
 import json
@@ -15,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from attnqat.kernels import gluon_bwd as GB
 from attnqat.kernels import gluon_fwd as G
 
 from attnqat import reference as ref
@@ -40,6 +43,7 @@ def report(tmp_path_factory):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "gluon nvfp4 D=128 consumer 1:" in res.stdout
     assert "gluon sage3 D=128 consumer 1:" in res.stdout
+    assert "gluon dK/dV D=128 consumer 1:" in res.stdout
     return {int(d): f for d, f in json.loads(out.read_text())["gluon"].items()}
 
 
@@ -99,6 +103,42 @@ def test_fewer_instructions_per_key_tile_than_the_triton_kernel(facts):
     for lp in f["consumer_loops"]:
         assert lp["mask_block"] > 0
         assert lp["per_full_tile"] < f["triton_loop"]
+
+
+@pytest.mark.parametrize("D", [128, 64])
+def test_dkdv_query_loops_keep_the_products_asynchronous(report, D):
+    """The dK/dV kernel, one query loop per consumer warpgroup: per 64-query block S_i and dP_i
+    (D/16 k-steps each) and dV, dK (4 k-steps of 16 queries each) as asynchronous wgmma with two
+    waits (S_i, then dP_i: a loop ptxas serialized waits after every HGMMA); few spill instructions
+    in the loop at D = 128, where dK, dV, S and dP fill 192 of the 240 registers (1 and 5 per
+    consumer with Triton 3.6's ptxas, 18 and 14 with 3.9's, of ~850 instructions), none at D = 64."""
+    f = report[D]["dkdv"]
+    assert "error" not in f, f"the Gluon dK/dV kernel does not compile for sm_90: {f.get('error')}"
+    loops = f["query_loops"]
+    assert len(loops) == 2, "one query loop per consumer warpgroup"
+    for lp in loops:
+        assert lp["hgmma"] == 2 * D // 16 + 8
+        assert lp["waits"] == 2
+        assert lp["spill_instructions"] <= (24 if D == 128 else 0)
+        assert lp["ex2"] >= 32, "32 scores per thread and block"
+    assert f["registers"] == GB.CONFIG["MAXNREG"]
+    assert GB.CONFIG["CONSUMER_REGS"] in f["setmaxnreg"] and GB.CONFIG["LOADER_REGS"] in f["setmaxnreg"]
+
+
+def test_dkdv_schedule_choice_on_the_cpu():
+    """Off Hopper the dK/dV kernel is the Triton one; asking for the Gluon one says why it cannot
+    run; a Triton tile override selects the Triton kernel."""
+    from attnqat.kernels.attention_bwd import choose_dkdv_schedule
+
+    q = torch.zeros(1, 128, 1, 64, dtype=torch.bfloat16)
+    assert choose_dkdv_schedule(q, q, q, q, None, None) == "triton"
+    assert choose_dkdv_schedule(q, q, q, q, None, dict(dkdv=dict(BM=64))) == "triton"
+    with pytest.raises(ValueError, match="cannot run these inputs: q must be a 4-D bfloat16 CUDA tensor"):
+        choose_dkdv_schedule(q, q, q, q, "gluon", None)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        choose_dkdv_schedule(q, q, q, q, "cudnn", None)
+    with pytest.raises(RuntimeError, match="gluon_dkdv cannot run"):
+        GB.gluon_dkdv(q, q, q, q, q, q, None, None, None, sm_scale=0.125, quant_p=True)
 
 
 def test_launcher_refuses_without_a_hopper_gpu():
@@ -379,3 +419,100 @@ def test_sage3_default_schedule_runs_the_gluon_kernel(monkeypatch):
         half = attention(q.half(), k.half(), v.half(), "sage3", backend="auto")
     assert len(calls) == 2, "float16 inputs and tile overrides must take the Triton kernel"
     assert half.dtype == torch.float16 and torch.isfinite(half.float()).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (Hopper): the dK/dV kernel
+# ----------------------------------------------------------------------------------------------
+
+def _backward_operands(B, Sq, Skv, H, D, outliers, seed, method):
+    """What ``attention_backward`` takes for ``method`` (attnqat: the quantized operands, O', the
+    statistics; dropin: the inputs) from one Triton forward, and a random dO."""
+    import qkv_data
+    from attnqat.kernels import attention_fwd as F
+    from attnqat.kernels.quantize import fake_quantize_nvfp4
+
+    q, k, v = qkv_data.make_qkv(B, Sq, Skv, H, D, outliers, seed, torch.bfloat16, device="cuda")
+    qf, kf, vf = fake_quantize_nvfp4(q, -1), fake_quantize_nvfp4(k, -1), fake_quantize_nvfp4(v, 1)
+    _, o2, lse2, m2 = F.attention_forward(qf, kf, vf, sm_scale=D ** -0.5, need_o2=True, store_stats=True)
+    do = torch.randn(q.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed + 1)).to(q.dtype)
+    if method == "attnqat":
+        return (qf, kf, vf, o2, do, lse2, m2)
+    return (q, k, v, o2, do, lse2, None)
+
+
+BWD_SHAPES = [(1, 128, 128, 1, 128),      # one block of each
+              (2, 150, 200, 2, 64),       # ragged query and key blocks, two batch elements
+              (1, 1000, 300, 3, 128),     # a ragged second warpgroup (keys 256..299)
+              (1, 64, 1000, 2, 128),      # a single query block
+              (2, 333, 129, 2, 128),      # one key past a CTA
+              (1, 4096, 4096, 4, 64)]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}q{}k{}h{}d{}".format(*s))
+@pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])
+@pytest.mark.parametrize("method", ["attnqat", "dropin"])
+def test_dkdv_bit_identical_to_the_triton_kernel(method, shape, outliers):
+    """The same P, Pᶠ and dS as the Triton kernel's untransposed tile (same accumulator layout, same
+    quantizer) and the same tensor-core sums: dK and dV agree bit for bit (dQ: the same kernel),
+    with a 2- and a 3-slot ring."""
+    from attnqat.kernels.attention_bwd import attention_backward
+
+    ops = _backward_operands(*shape, outliers, seed=21, method=method)
+    scale = shape[-1] ** -0.5
+    want = attention_backward(*ops, sm_scale=scale, quant_p=method == "attnqat", schedule="triton")
+    for stages in (2, 3):
+        got = attention_backward(*ops, sm_scale=scale, quant_p=method == "attnqat", schedule="gluon",
+                                 config=dict(gluon=dict(STAGES=stages)))
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert torch.isfinite(a.float()).all(), name
+            assert torch.equal(a, b), f"{name}: {(a != b).float().mean().item():.3%} differ (STAGES={stages})"
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_dkdv_wan_shape_bit_identical():
+    """Wan 2.1 1.3B 480p (32,760 queries and keys: 511 full query blocks and one of 56 rows, 255
+    full key CTAs and one of 120 keys), attnqat on outlier-heavy inputs."""
+    from attnqat.kernels.attention_bwd import attention_backward
+
+    ops = _backward_operands(1, 32760, 32760, 12, 128, True, seed=22, method="attnqat")
+    want = attention_backward(*ops, sm_scale=128 ** -0.5, quant_p=True, schedule="triton")
+    got = attention_backward(*ops, sm_scale=128 ** -0.5, quant_p=True, schedule="gluon")
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), f"{name}: {(a != b).float().mean().item():.3%} differ"
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_training_backward_runs_the_gluon_dkdv_kernel(monkeypatch):
+    """``attnqat.attention(..., "attnqat")`` (and dropin) with ``backend="auto"`` compute dK, dV with
+    the Gluon kernel on Hopper for bf16 inputs and with the Triton kernel for float16, for a Triton
+    tile override and for a dO that TMA cannot address; an explicit "gluon" there raises."""
+    from attnqat import attention
+    from attnqat.kernels import attention_bwd as Bw
+
+    calls = []
+    real = GB.gluon_dkdv
+    monkeypatch.setattr(GB, "gluon_dkdv", lambda *a, **kw: calls.append(kw["quant_p"]) or real(*a, **kw))
+    (q, k, v), _ = _operands(1, 700, 700, 2, 128, True, seed=23)
+    for method in ("attnqat", "dropin"):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        attention(qq, kk, vv, method, backend="auto").float().square().sum().backward()
+        assert torch.isfinite(kk.grad.float()).all() and torch.isfinite(vv.grad.float()).all()
+    assert calls == [True, False], "backend='auto' did not run the Gluon dK/dV kernel on this Hopper GPU"
+    qh, kh, vh = (t.half().requires_grad_(True) for t in (q, k, v))
+    attention(qh, kh, vh, "attnqat", backend="auto").float().sum().backward()
+    ops = _backward_operands(1, 300, 300, 2, 128, False, seed=24, method="attnqat")
+    Bw.attention_backward(*ops, sm_scale=0.1, quant_p=True, config=dict(dkdv=dict(BM=64)))
+    qf, kf, vf, o2, do, lse2, m2 = ops
+    strided_do = torch.zeros(*do.shape[:3], 2 * do.shape[3], device="cuda", dtype=do.dtype)[..., ::2]
+    strided_do.copy_(do)
+    got = Bw.attention_backward(qf, kf, vf, o2, strided_do, lse2, m2, sm_scale=0.1, quant_p=True)
+    assert calls == [True, False], "float16, a tile override and a strided dO must take the Triton kernel"
+    want = Bw.attention_backward(*ops, sm_scale=0.1, quant_p=True, schedule="triton")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="not TMA-addressable"):
+        Bw.attention_backward(qf, kf, vf, o2, strided_do, lse2, m2, sm_scale=0.1, quant_p=True, schedule="gluon")

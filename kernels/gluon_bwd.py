@@ -1,0 +1,285 @@
+"""The backward's dK/dV kernel hand-scheduled in Gluon for Hopper (issue 17), for ``attnqat`` (the P
+quantizer) and ``dropin`` (none).
+
+Same arithmetic as :func:`.attention_bwd._bwd_dkdv_kernel` on its untransposed tile (``NATURAL``:
+S [queries, keys], P's 16-key blocks along a thread's row, the forward's quantizer
+:func:`.attention_fwd.quantize_p_rows` on the same accumulator layout, so Pᶠ and dS are the same
+values); only the float32 summation order of dK and dV may differ (tensor-core k-steps):
+
+    S = Q Kᵀ;  P̃ = exp2(S·scale − m₂);  c = exp2(m₂ − LSE₂);  P = P̃·c;  Pᶠ = quant(P̃)·c
+    dP = dO Vᵀ;  dS = P ∘ (dP − D)
+    dV += bf16(Pᶠ)ᵀ dO;  dK += bf16(dS)ᵀ Q;  dK ·= sm_scale at the end
+    (dropin: P = exp2(S·scale − LSE₂), Pᶠ = P)
+
+Why a kernel of its own: the Triton kernel's loop (64 × 64 tile, 4 warps, one stage) waits for
+every load and every product in turn, two CTAs per SM, 38.9 ms at the Wan 1.3B 480p shape against
+14.2 ms for the dQ kernel's three products (docs/kernels_notes.md). Here the loads are TMA into a
+ring filled by a producer warp, and each consumer keeps the tensor cores fed:
+
+* One CTA owns 128 keys of one (batch, head); K and V are loaded once. Two **consumer
+  warpgroups** own 64 keys each and walk over all query blocks of 64 rows, reading Q_i and dO_i from
+  a ``STAGES``-deep ring (ready / empty mbarriers as in :mod:`.gluon_fwd`); one **producer warp**
+  issues the TMA loads (4-D descriptors, rows past the sequence zero-filled).
+* Iteration i of a consumer: issue S_i = Q_i K_wᵀ and dP_i = dO_i V_wᵀ (asynchronous wgmma; dV_{i-1}
+  and dK_{i-1} are still in flight ahead of them), wait for S_i (so dV_{i-1} and dK_{i-1} have
+  finished too: the ring slot of i-1 and the Pᶠ / dS buffers are free), run the exponentials and
+  the P quantizer while dP_i is on the tensor cores, wait for dP_i, form dS, store bf16 Pᶠ and dS
+  to this warpgroup's shared-memory tiles and issue dV += Pᶠᵀ dO_i and dK += dSᵀ Q_i
+  (m64n{D}k16, the transposes are shared-memory views) without waiting for them.
+* The row statistics (LSE₂, m₂, D) of block i are loaded while S_i and dP_i are computed.
+
+Iteration 0 is peeled, so that at the loop head the same products are in flight on every path
+(dV and dK of the previous block): ptxas serializes every wgmma of a loop otherwise (what
+:mod:`.gluon_fwd` found).
+"""
+
+from __future__ import annotations
+
+import triton
+
+from .attention_fwd import quantize_p_rows
+from .gluon_fwd import (
+    LOG2E,
+    _as_box,
+    _thread_barrier,
+    fence_async_shared,
+    gl,
+    gluon,
+    gluon_unavailable,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from .gluon_fwd import _tma_async_load as _tma_load_raw
+
+KEYS_PER_CTA = 128     # two consumer warpgroups of 64 keys
+QUERY_BLOCK = 64       # queries per ring slot
+HEAD_DIMS = (64, 128)
+#: default launch: ring depth; registers of the second consumer and of the producer warp (the
+#: first consumer, Gluon's default partition, keeps ``MAXNREG``)
+CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
+
+
+if gluon is not None:
+    _HN: gl.constexpr = gl.constexpr(KEYS_PER_CTA // 2)
+    _HM: gl.constexpr = gl.constexpr(QUERY_BLOCK)
+
+    @gluon.jit
+    def _tma(desc, coord, bar, buf):
+        _tma_load_raw(desc, coord, bar, _as_box(buf, desc))
+
+    @gluon.jit
+    def _row_stats(LSE2, M2, DELTA, i, Sq, row: gl.constexpr, QUANT_P: gl.constexpr):
+        """LSE₂, m₂ (attnqat) and D of query block i, in S's row layout; rows ≥ Sq: LSE₂ = m₂ = +inf,
+        D = 0 (with c = 0 below, their P, Pᶠ and dS are 0)."""
+        rows = i * _HM + gl.arange(0, _HM, layout=row)
+        ok = rows < Sq
+        lse2 = gl.load(LSE2 + rows, mask=ok, other=float("inf"))
+        di = gl.load(DELTA + rows, mask=ok, other=0.0)
+        if QUANT_P:
+            m2 = gl.load(M2 + rows, mask=ok, other=float("inf"))
+        else:
+            m2 = lse2
+        return ok, lse2, m2, di
+
+    @gluon.jit
+    def _p_tile(s, ok, lse2, m2, keys_ok, ragged, qk_scale, s_layout: gl.constexpr, QUANT_P: gl.constexpr):
+        """P and Pᶠ of one [64 queries, 64 keys] tile (the Triton kernel's NATURAL step). The
+        quantizer's reshapes hand back S's own register map as a linear layout: converting it to
+        ``s_layout`` moves nothing."""
+        if ragged:   # keys beyond Skv out of P
+            s = gl.where(keys_ok[None, :], s, float("-inf"))
+        if QUANT_P:
+            c = gl.where(ok, gl.exp2(m2 - lse2), 0.0)
+            p_tilde = gl.exp2(s * qk_scale - m2[:, None])      # relative to the final row max
+            p = p_tilde * c[:, None]
+            pf = gl.convert_layout(quantize_p_rows(p_tilde, _HM, _HN, 1), s_layout) * c[:, None]   # NVFP4
+        else:
+            p = gl.exp2(s * qk_scale - lse2[:, None])
+            pf = p
+        return p, pf
+
+    @gluon.jit
+    def _store_pf_ds(s, dp_tok, pf_buf, ds_buf, ok, lse2, m2, di, keys_ok, ragged, qk_scale,
+                     s_layout: gl.constexpr, QUANT_P: gl.constexpr):
+        """Pᶠ and dS of one block as bf16 in this warpgroup's shared-memory tiles, visible to the
+        wgmma that reads them next: the exponentials and the quantizer run while dP is still on
+        the tensor cores; then wait for dP, dS = P ∘ (dP − D), fence, and a barrier among the
+        warpgroup's threads."""
+        p, pf = _p_tile(s, ok, lse2, m2, keys_ok, ragged, qk_scale, s_layout, QUANT_P)
+        pf_buf.store(pf.to(gl.bfloat16))
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok])
+        ds_buf.store((p * (dp - di[:, None])).to(gl.bfloat16))
+        fence_async_shared()
+        _thread_barrier()
+
+    @gluon.jit
+    def _issue_sdp(q_buf, do_buf, k_w, v_w, zero_s):
+        s_tok = warpgroup_mma(q_buf, k_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do_buf, v_w.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        return s_tok, dp_tok
+
+    @gluon.jit
+    def _consumer(q_smem, do_smem, k_smem, v_smem, pf_smem, ds_smem, kv_bar, ready, empty,
+                  DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, LSE2, M2, DELTA,
+                  b, h, n0, Sq, Skv, qk_scale, sm_scale,
+                  WG: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, QUANT_P: gl.constexpr):
+        """Consumer warpgroup WG: dK, dV of keys [n0 + 64·WG, n0 + 64·WG + 64)."""
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _HN, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, D, 16])
+        row: gl.constexpr = gl.SliceLayout(1, s_layout)
+        k_w = k_smem.slice(WG * _HN, _HN)      # [64 keys, D]
+        v_w = v_smem.slice(WG * _HN, _HN)
+        pf_buf = pf_smem.index(WG)             # [64 queries, 64 keys]
+        ds_buf = ds_smem.index(WG)
+        keys = n0 + WG * _HN + gl.arange(0, _HN, layout=gl.SliceLayout(0, s_layout))
+        keys_ok = keys < Skv
+        ragged = n0 + WG * _HN + _HN > Skv
+        zero_s = gl.zeros([_HM, _HN], gl.float32, layout=s_layout)   # ignored (use_acc=False)
+        n_blocks = gl.cdiv(Sq, _HM)
+        mbarrier.wait(kv_bar, 0)
+
+        # block 0 (peeled: dV, dK start from its products)
+        mbarrier.wait(ready.index(0), 0)
+        s_tok, dp_tok = _issue_sdp(q_smem.index(0), do_smem.index(0), k_w, v_w, zero_s)
+        ok, lse2, m2, di = _row_stats(LSE2, M2, DELTA, 0, Sq, row, QUANT_P)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
+        _store_pf_ds(s, dp_tok, pf_buf, ds_buf, ok, lse2, m2, di, keys_ok, ragged, qk_scale, s_layout, QUANT_P)
+        zero_acc = gl.zeros([_HN, D], gl.float32, layout=acc_layout)
+        dv_tok = warpgroup_mma(pf_buf.permute((1, 0)), do_smem.index(0), zero_acc, use_acc=False, is_async=True)
+        dk_tok = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(0), zero_acc, use_acc=False, is_async=True)
+
+        for i in range(1, n_blocks):
+            stage = i % STAGES
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            s_tok, dp_tok = _issue_sdp(q_smem.index(stage), do_smem.index(stage), k_w, v_w, zero_s)
+            ok, lse2, m2, di = _row_stats(LSE2, M2, DELTA, i, Sq, row, QUANT_P)
+            # S_i done implies dV_{i-1}, dK_{i-1} done (groups complete in issue order)
+            s, dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok, dv_tok, dk_tok])
+            mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+            _store_pf_ds(s, dp_tok, pf_buf, ds_buf, ok, lse2, m2, di, keys_ok, ragged, qk_scale, s_layout, QUANT_P)
+            dv_tok = warpgroup_mma(pf_buf.permute((1, 0)), do_smem.index(stage), dv, is_async=True)
+            dk_tok = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(stage), dk, is_async=True)
+
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv_tok, dk_tok])
+        mbarrier.arrive(empty.index((n_blocks - 1) % STAGES), count=1)
+        offs_n = n0 + WG * _HN + gl.arange(0, _HN, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        n_ok = (offs_n < Skv)[:, None]
+        gl.store(DK + b.to(gl.int64) * sdkb + h.to(gl.int64) * sdkh + offs_n[:, None] * sdks + offs_d[None, :],
+                 (dk * sm_scale).to(DK.dtype.element_ty), mask=n_ok)
+        gl.store(DV + b.to(gl.int64) * sdvb + h.to(gl.int64) * sdvh + offs_n[:, None] * sdvs + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=n_ok)
+
+    @gluon.jit
+    def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
+                b, h, n0, Sq, STAGES: gl.constexpr):
+        """The producer warp: K and V of the CTA's keys once, then Q_i and dO_i through the ring."""
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+        _tma(k_desc, [b, n0, h, 0], kv_bar, k_smem)
+        _tma(v_desc, [b, n0, h, 0], kv_bar, v_smem)
+        for i in range(gl.cdiv(Sq, _HM)):
+            stage = i % STAGES
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)   # a fresh barrier passes phase 1
+            mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
+            _tma(q_desc, [b, i * _HM, h, 0], ready.index(stage), q_smem.index(stage))
+            _tma(do_desc, [b, i * _HM, h, 0], ready.index(stage), do_smem.index(stage))
+
+    @gluon.jit
+    def gluon_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
+                          LSE2, M2, DELTA, H, Sq, Skv, qk_scale, sm_scale,
+                          D: gl.constexpr, STAGES: gl.constexpr, QUANT_P: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """Grid (cdiv(Skv, 128), B·H), ``num_warps=4`` (+ 4 + 1 worker warps). Q/dO descriptors:
+        (B, Sq, H, D) views with a [1, 64, 1, D] box; K/V: (B, Skv, H, D) with [1, 128, 1, D]. dK, dV:
+        (B, Skv, H, D), head_dim stride 1. LSE2, M2 (attnqat; else a placeholder), DELTA: (B, H, Sq)
+        float32, contiguous."""
+        gl.static_assert(D == 64 or D == 128, "head_dim must be 64 or 128")
+        bh = gl.program_id(1)
+        b = bh // H
+        h = bh % H
+        n0 = gl.program_id(0) * (2 * _HN)
+        row_base = bh.to(gl.int64) * Sq
+
+        tile_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HM, D], gl.bfloat16)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_HM, _HN], gl.bfloat16)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * _HN, D], tile_layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * _HN, D], tile_layout)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _HM, D], tile_layout)
+        do_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _HM, D], tile_layout)
+        pf_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HM, _HN], p_layout)
+        ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HM, _HN], p_layout)
+
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)   # both consumers release a slot
+
+        gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, pf_smem, ds_smem, kv_bar, ready, empty,
+                         DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, LSE2 + row_base, M2 + row_base,
+                         DELTA + row_base, b, h, n0, Sq, Skv, qk_scale, sm_scale, 0, D, STAGES, QUANT_P)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, pf_smem, ds_smem, kv_bar, ready, empty,
+                         DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, LSE2 + row_base, M2 + row_base,
+                         DELTA + row_base, b, h, n0, Sq, Skv, qk_scale, sm_scale, 1, D, STAGES, QUANT_P)),
+            (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
+                       b, h, n0, Sq, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch
+# ----------------------------------------------------------------------------------------------
+
+def _descriptor(t, rows: int):
+    """4-D TMA descriptor of a (B, S, H, D) bf16 tensor with a [1, rows, 1, D] box."""
+    from .gluon_fwd import TensorDescriptor  # noqa: PLC0415
+
+    box = [1, rows, 1, t.shape[3]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                            gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
+
+
+def gluon_dkdv_unsupported(q, k, v, do) -> str | None:
+    """None when :func:`gluon_dkdv` runs these operands here, else why not (one sentence)."""
+    import torch  # noqa: PLC0415
+
+    for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
+        if t.dim() != 4 or t.dtype != torch.bfloat16 or not t.is_cuda:
+            return f"{name} must be a 4-D bfloat16 CUDA tensor, got {t.dtype} {tuple(t.shape)} on {t.device.type}"
+        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
+            return f"{name} (strides {tuple(t.stride())}) is not TMA-addressable"
+    if q.shape[3] not in HEAD_DIMS:
+        return f"head_dim {q.shape[3]} is not supported (64 or 128)"
+    if do.shape != q.shape or k.shape != v.shape:
+        return f"shapes differ: q {tuple(q.shape)}, do {tuple(do.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    return gluon_unavailable(q.device)
+
+
+def gluon_dkdv(q, k, v, do, dk, dv, lse2, m2, delta, *, sm_scale: float, quant_p: bool,
+               config: dict | None = None) -> None:
+    """Writes dK and dV (``dk``, ``dv``: (B, Skv, H, D) with head_dim stride 1) of the attnqat
+    (``quant_p``) or dropin backward, as :func:`.attention_bwd._bwd_dkdv_kernel` computes them.
+    ``lse2``, ``m2``, ``delta``: (B, H, Sq) float32, contiguous (``m2`` None for dropin).
+    ``config``: :data:`CONFIG` overrides."""
+    why = gluon_dkdv_unsupported(q, k, v, do)
+    if why is not None:
+        raise RuntimeError(f"gluon_dkdv cannot run: {why}")
+    cfg = dict(CONFIG)
+    cfg.update(config or {})
+    B, Sq, H, D = q.shape
+    Skv = k.shape[1]
+    grid = (triton.cdiv(Skv, KEYS_PER_CTA), B * H)
+    gluon_dkdv_kernel[grid](
+        _descriptor(q, QUERY_BLOCK), _descriptor(do, QUERY_BLOCK), _descriptor(k, KEYS_PER_CTA),
+        _descriptor(v, KEYS_PER_CTA), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), lse2, m2 if m2 is not None else lse2, delta,
+        H, Sq, Skv, sm_scale * LOG2E, sm_scale,
+        D=D, STAGES=cfg["STAGES"], QUANT_P=quant_p, CONSUMER_REGS=cfg["CONSUMER_REGS"],
+        LOADER_REGS=cfg["LOADER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"],
+    )
