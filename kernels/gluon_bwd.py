@@ -4,7 +4,8 @@ quantizer) and ``dropin`` (none).
 Same arithmetic as :func:`.attention_bwd._bwd_dkdv_kernel` on its untransposed tile (``NATURAL``:
 S [queries, keys], P's 16-key blocks along a thread's row, the forward's quantizer
 :func:`.attention_fwd.quantize_p_rows` on the same accumulator layout, so Pᶠ and dS are the same
-values); only the float32 summation order of dK and dV may differ (tensor-core k-steps):
+values; the tensor cores then sum dK and dV in the same k-steps: on an H100 the gradients are
+bit-identical to the Triton kernel's, tests/test_kernels_gluon.py):
 
     S = Q Kᵀ;  P̃ = exp2(S·scale − m₂);  c = exp2(m₂ − LSE₂);  P = P̃·c;  Pᶠ = quant(P̃)·c
     dP = dO Vᵀ;  dS = P ∘ (dP − D)
@@ -31,6 +32,9 @@ ring filled by a producer warp, and each consumer keeps the tensor cores fed:
 Iteration 0 is peeled, so that at the loop head the same products are in flight on every path
 (dV and dK of the previous block): ptxas serializes every wgmma of a loop otherwise (what
 :mod:`.gluon_fwd` found).
+
+Status (H100, Triton 3.6, 2026-11-24): 27.1 ms against the Triton kernel's 38.9 at the Wan 1.3B
+480p shape; ``backend="auto"`` runs it on sm_90 (:func:`.attention_bwd.choose_dkdv_schedule`).
 """
 
 from __future__ import annotations
