@@ -307,10 +307,9 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
 
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
-    cfg = dict(dkdv=dkdv_config(D, Sq, quant_p), dq=dict(BWD_CONFIGS[D]["dq"]))
+    cfg = dict(dkdv=dkdv_config(D, Sq, quant_p), dq=dict(BWD_CONFIGS[D]["dq"]), gluon={})
     for key, val in (config or {}).items():
-        if key != "gluon":
-            cfg[key].update(val)
+        cfg[key].update(val)
     delta = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
     _bwd_preprocess[(triton.cdiv(Sq, 64), B * H)](o, do, delta, *_s4(o), *_s4(do), H, Sq, D=D, BM=64,
                                                    num_warps=4)
@@ -321,8 +320,7 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
     if choose_dkdv_schedule(q, k, v, do, schedule, config) == "gluon":
         from .gluon_bwd import gluon_dkdv  # noqa: PLC0415
 
-        gluon_dkdv(q, k, v, do, dk, dv, lse2, m2, delta, sm_scale=sm_scale, quant_p=quant_p,
-                   config=(config or {}).get("gluon"))
+        gluon_dkdv(q, k, v, do, dk, dv, lse2, m2, delta, sm_scale=sm_scale, quant_p=quant_p, config=cfg["gluon"])
     else:
         c1 = cfg["dkdv"]
         _bwd_dkdv_kernel[(triton.cdiv(Skv, c1["BN"]), B * H)](

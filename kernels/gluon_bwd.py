@@ -43,22 +43,23 @@ import triton
 
 from .attention_fwd import quantize_p_rows
 from .gluon_fwd import (
+    HEAD_DIMS,
     LOG2E,
-    _as_box,
+    _tma_load,
     _thread_barrier,
     fence_async_shared,
     gl,
     gluon,
     gluon_unavailable,
     mbarrier,
+    tma_descriptor,
+    tma_unaddressable,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .gluon_fwd import _tma_async_load as _tma_load_raw
 
 KEYS_PER_CTA = 128     # two consumer warpgroups of 64 keys
 QUERY_BLOCK = 64       # queries per ring slot
-HEAD_DIMS = (64, 128)
 #: default launch: ring depth; registers of the second consumer and of the producer warp (the
 #: first consumer, Gluon's default partition, keeps ``MAXNREG``)
 CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
@@ -67,10 +68,6 @@ CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
 if gluon is not None:
     _HN: gl.constexpr = gl.constexpr(KEYS_PER_CTA // 2)
     _HM: gl.constexpr = gl.constexpr(QUERY_BLOCK)
-
-    @gluon.jit
-    def _tma(desc, coord, bar, buf):
-        _tma_load_raw(desc, coord, bar, _as_box(buf, desc))
 
     @gluon.jit
     def _row_stats(LSE2, M2, DELTA, i, Sq, row: gl.constexpr, QUANT_P: gl.constexpr):
@@ -182,14 +179,14 @@ if gluon is not None:
                 b, h, n0, Sq, STAGES: gl.constexpr):
         """The producer warp: K and V of the CTA's keys once, then Q_i and dO_i through the ring."""
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-        _tma(k_desc, [b, n0, h, 0], kv_bar, k_smem)
-        _tma(v_desc, [b, n0, h, 0], kv_bar, v_smem)
+        _tma_load(k_desc, [b, n0, h, 0], kv_bar, k_smem)
+        _tma_load(v_desc, [b, n0, h, 0], kv_bar, v_smem)
         for i in range(gl.cdiv(Sq, _HM)):
             stage = i % STAGES
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)   # a fresh barrier passes phase 1
             mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
-            _tma(q_desc, [b, i * _HM, h, 0], ready.index(stage), q_smem.index(stage))
-            _tma(do_desc, [b, i * _HM, h, 0], ready.index(stage), do_smem.index(stage))
+            _tma_load(q_desc, [b, i * _HM, h, 0], ready.index(stage), q_smem.index(stage))
+            _tma_load(do_desc, [b, i * _HM, h, 0], ready.index(stage), do_smem.index(stage))
 
     @gluon.jit
     def gluon_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
@@ -240,15 +237,6 @@ if gluon is not None:
 # Launch
 # ----------------------------------------------------------------------------------------------
 
-def _descriptor(t, rows: int):
-    """4-D TMA descriptor of a (B, S, H, D) bf16 tensor with a [1, rows, 1, D] box."""
-    from .gluon_fwd import TensorDescriptor  # noqa: PLC0415
-
-    box = [1, rows, 1, t.shape[3]]
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
-                            gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
-
-
 def gluon_dkdv_unsupported(q, k, v, do) -> str | None:
     """None when :func:`gluon_dkdv` runs these operands here, else why not (one sentence)."""
     import torch  # noqa: PLC0415
@@ -256,8 +244,8 @@ def gluon_dkdv_unsupported(q, k, v, do) -> str | None:
     for name, t in (("q", q), ("k", k), ("v", v), ("do", do)):
         if t.dim() != 4 or t.dtype != torch.bfloat16 or not t.is_cuda:
             return f"{name} must be a 4-D bfloat16 CUDA tensor, got {t.dtype} {tuple(t.shape)} on {t.device.type}"
-        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
-            return f"{name} (strides {tuple(t.stride())}) is not TMA-addressable"
+        if why := tma_unaddressable(name, t):
+            return why
     if q.shape[3] not in HEAD_DIMS:
         return f"head_dim {q.shape[3]} is not supported (64 or 128)"
     if do.shape != q.shape or k.shape != v.shape:
@@ -280,8 +268,8 @@ def gluon_dkdv(q, k, v, do, dk, dv, lse2, m2, delta, *, sm_scale: float, quant_p
     Skv = k.shape[1]
     grid = (triton.cdiv(Skv, KEYS_PER_CTA), B * H)
     gluon_dkdv_kernel[grid](
-        _descriptor(q, QUERY_BLOCK), _descriptor(do, QUERY_BLOCK), _descriptor(k, KEYS_PER_CTA),
-        _descriptor(v, KEYS_PER_CTA), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
+        tma_descriptor(q, QUERY_BLOCK), tma_descriptor(do, QUERY_BLOCK), tma_descriptor(k, KEYS_PER_CTA),
+        tma_descriptor(v, KEYS_PER_CTA), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), lse2, m2 if m2 is not None else lse2, delta,
         H, Sq, Skv, sm_scale * LOG2E, sm_scale,
         D=D, STAGES=cfg["STAGES"], QUANT_P=quant_p, CONSUMER_REGS=cfg["CONSUMER_REGS"],

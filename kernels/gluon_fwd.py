@@ -390,13 +390,20 @@ def gluon_unavailable(device=None) -> str | None:
     return None
 
 
-def _smem_layout(D: int):
-    return gl.NVMMASharedLayout.get_default_for([1, BLOCK_N, 1, D], gl.bfloat16)
+def tma_descriptor(t, rows: int = BLOCK_N):
+    """4-D TMA descriptor of a (B, S, H, D) bf16 tensor with a [1, rows, 1, D] box."""
+    box = [1, rows, 1, t.shape[3]]
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                            gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16))
 
 
-def tma_descriptor(t):
-    """4-D TMA descriptor of a (B, S, H, D) tensor with a [1, 128, 1, D] box."""
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, BLOCK_N, 1, t.shape[3]], _smem_layout(t.shape[3]))
+def tma_unaddressable(name: str, t) -> str | None:
+    """Why the TMA unit cannot read (B, S, H, D) tensor ``t`` through :func:`tma_descriptor`, or None:
+    it needs unit stride along head_dim and every other stride and the base 16-byte aligned."""
+    if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
+        return (f"{name} (strides {tuple(t.stride())}) is not TMA-addressable: head_dim must be "
+                "contiguous and the other strides multiples of 8 elements (call .contiguous() first)")
+    return None
 
 
 def bias_descriptor(parts):
@@ -418,10 +425,8 @@ def gluon_unsupported(q, k, v) -> str | None:
             return f"{name} is {t.dtype}; the Gluon forward takes bfloat16 operands"
         if not t.is_cuda:
             return f"{name} is on {t.device.type}; the Gluon forward needs CUDA tensors"
-        # TMA: unit stride along head_dim, every other stride and the base 16-byte aligned
-        if t.stride(3) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
-            return (f"{name} (strides {tuple(t.stride())}) is not TMA-addressable: head_dim must be "
-                    "contiguous and the other strides multiples of 8 elements (call .contiguous() first)")
+        if why := tma_unaddressable(name, t):
+            return why
     B, _, H, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2] != H or k.shape[3] != D:
         return f"shapes differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"

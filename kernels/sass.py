@@ -352,15 +352,14 @@ def compile_gluon_dkdv(arch: int = 90, *, shape: tuple[int, int, int, int] = (1,
     cfg.update(config or {})
     _, S, H, D = shape
     t = torch.empty(1, GB.KEYS_PER_CTA, 1, D, dtype=torch.bfloat16)
-    q_ty, k_ty = mangle_type(GB._descriptor(t, GB.QUERY_BLOCK)), mangle_type(GB._descriptor(t, GB.KEYS_PER_CTA))
+    q_ty, k_ty = (mangle_type(GB.tma_descriptor(t, rows)) for rows in (GB.QUERY_BLOCK, GB.KEYS_PER_CTA))
     consts = dict(D=D, STAGES=cfg["STAGES"], QUANT_P=quant_p, CONSUMER_REGS=cfg["CONSUMER_REGS"],
                   LOADER_REGS=cfg["LOADER_REGS"])
     ints = dict(sdkb=S * H * D, sdks=H * D, sdkh=D, sdvb=S * H * D, sdvs=H * D, sdvh=D, H=H, Sq=S, Skv=S)
     typed = {"q_desc": (q_ty, False), "do_desc": (q_ty, False), "k_desc": (k_ty, False), "v_desc": (k_ty, False),
              "qk_scale": ("fp32", False), "sm_scale": ("fp32", False)}
     typed |= {n: ("*bf16", True) for n in ("DK", "DV")} | {n: ("*fp32", True) for n in ("LSE2", "M2", "DELTA")}
-    fn = GB.gluon_dkdv_kernel
-    return _compile_gluon(fn, arch, consts, typed, ints, cfg["MAXNREG"])
+    return _compile_gluon(GB.gluon_dkdv_kernel, arch, consts, typed, ints, cfg["MAXNREG"])
 
 
 def gluon_dkdv_facts(kernel, head_dim: int) -> dict:
@@ -420,8 +419,8 @@ def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict
 
 
 def print_gluon(report: dict) -> None:
-    """One line per head_dim, method and consumer of :func:`gluon_report`: its key loop's length per
-    full tile against the Triton nvfp4 loop, the wgmma groups and waits, registers and spills."""
+    """One line per head_dim, kernel and consumer of :func:`gluon_report`: its loop's length against
+    the Triton kernel's loop of the same method, the wgmma groups and waits, registers and spills."""
     for D, facts in report.items():
         for method, f in (("nvfp4", facts), ("sage3", facts.get("sage3", {}))):
             if "error" in f:
