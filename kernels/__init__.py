@@ -10,7 +10,8 @@ Contract with :func:`attnqat.attention` (backend ``"triton"`` / ``"auto"``):
 Modules: :mod:`.quantize` (NVFP4 quantize/pack), :mod:`.attention_fwd` (the fused 4-bit forward:
 ``nvfp4`` inference and the ``attnqat`` training forward with O'), :mod:`.attention_bwd` (the
 ``attnqat`` and ``dropin`` backward), :mod:`.gluon_fwd` (the ``nvfp4`` and ``sage3`` forwards
-hand-scheduled in Gluon for Hopper: what ``backend="auto"`` runs there), :mod:`.gluon_bwd` (the
+hand-scheduled in Gluon for Hopper: what ``backend="auto"`` runs there), :mod:`.gluon_fwd_qat` (the
+``attnqat`` training forward in Gluon, likewise), :mod:`.gluon_bwd` (the
 backward's dK/dV kernel in Gluon for Hopper: same bits, likewise), :mod:`.sage3` (SageAttention3
 numerics), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
 
@@ -27,7 +28,7 @@ import torch
 
 from attnqat import reference as _ref
 
-from . import gluon_fwd, sage3
+from . import gluon_fwd, gluon_fwd_qat, sage3
 from .attention_bwd import attention_backward
 from .attention_fwd import P_NVFP4, attention_forward
 from .gluon_fwd import check_schedule, choose_schedule
@@ -128,22 +129,26 @@ class FP4TrainingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, method: str, config=None):
+    def forward(ctx, q, k, v, scale: float, method: str, config=None, schedule=None):
         attnqat = method == "attnqat"
         qf = fake_quantize_nvfp4(q, -1)
         kf = fake_quantize_nvfp4(k, -1)
         vf = fake_quantize_nvfp4(v, 1)
-        # dropin's D = rowsum(dO ∘ O) takes O in float32, as attnqat's takes O' (float32)
-        o, o2, lse2, m2 = attention_forward(qf, kf, vf, sm_scale=scale, p_mode=P_NVFP4, need_o2=attnqat,
-                                            store_stats=True, out_dtype=None if attnqat else torch.float32,
-                                            config=(config or {}).get("fwd"))
+        fwd_config = (config or {}).get("fwd")
+        if attnqat and gluon_fwd_qat.choose_qat_schedule(qf, kf, vf, schedule, fwd_config) == "gluon":
+            o, o2, lse2, m2 = gluon_fwd_qat.gluon_attnqat_forward(qf, kf, vf, sm_scale=scale)
+        else:
+            # dropin's D = rowsum(dO ∘ O) takes O in float32, as attnqat's takes O' (float32)
+            o, o2, lse2, m2 = attention_forward(qf, kf, vf, sm_scale=scale, p_mode=P_NVFP4, need_o2=attnqat,
+                                                store_stats=True, out_dtype=None if attnqat else torch.float32,
+                                                config=fwd_config)
         if attnqat:
             ctx.save_for_backward(qf, kf, vf, o2, lse2, m2)
         else:
             del qf, kf, vf
             ctx.save_for_backward(q, k, v, o, lse2)
             o = o.to(q.dtype)
-        ctx.scale, ctx.method, ctx.config = scale, method, (config or {}).get("bwd")
+        ctx.scale, ctx.method, ctx.config, ctx.schedule = scale, method, (config or {}).get("bwd"), schedule
         return o
 
     @staticmethod
@@ -151,12 +156,12 @@ class FP4TrainingAttention(torch.autograd.Function):
         if ctx.method == "attnqat":
             qf, kf, vf, o2, lse2, m2 = ctx.saved_tensors
             dq, dk, dv = attention_backward(qf, kf, vf, o2, do, lse2, m2, sm_scale=ctx.scale, quant_p=True,
-                                            config=ctx.config)
+                                            config=ctx.config, schedule=ctx.schedule)
         else:
             q, k, v, o, lse2 = ctx.saved_tensors
             dq, dk, dv = attention_backward(q, k, v, o, do, lse2, None, sm_scale=ctx.scale, quant_p=False,
-                                            config=ctx.config)
-        return dq, dk, dv, None, None, None
+                                            config=ctx.config, schedule=ctx.schedule)
+        return dq, dk, dv, None, None, None, None
 
 
 def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None = None, *,
@@ -169,12 +174,15 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
     ``RuntimeError`` when gradients are requested from an inference-only method.
     ``formulation`` (nvfp4 only): 0 dequantized bfloat16 operands, 1 packed operands dequantized in
     registers, 2 ``tl.dot_scaled``; default: the fastest on this GPU. ``config``: tile overrides.
-    ``schedule`` (nvfp4 formulation 0, sage3): ``"gluon"`` the hand-scheduled Hopper kernel,
-    ``"triton"`` the Triton kernel; default: Gluon wherever it takes the inputs (faster on an H100;
-    nvfp4: the same bits; sage3: the same arithmetic, its correction row added by the tensor cores).
+    ``schedule`` (nvfp4 formulation 0, sage3, attnqat, dropin): ``"gluon"`` the hand-scheduled Hopper
+    kernels, ``"triton"`` the Triton kernels; default: Gluon wherever it takes the inputs (faster on
+    an H100; nvfp4, attnqat and dropin: the same bits; sage3: the same arithmetic, its correction row
+    added by the tensor cores; the attnqat forward at head_dim 128 only, where it measured faster:
+    :data:`.gluon_fwd_qat.AUTO_HEAD_DIMS`). attnqat: the forward (O, O', statistics) and the backward's dK/dV
+    kernel; dropin: the dK/dV kernel (its forward, with a float32 O, has no Gluon version and is
+    always the Triton kernel); the dQ kernel is Triton's in both.
     """
-    if schedule is not None and method not in ("nvfp4", "sage3"):
-        raise ValueError(f"schedule applies to the inference methods 'nvfp4' and 'sage3', not {method!r}")
+    check_schedule(schedule)
     why = _why_not(q, k, v, method, allow_cpu=interpreting())
     if why is not None:
         raise ValueError(f"attnqat.kernels.triton_attention cannot run method {method!r}: {why}")
@@ -189,4 +197,4 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
         if method == "nvfp4":
             return nvfp4_forward(q, k, v, scale, formulation=formulation, config=config, schedule=schedule)
         return sage3.sage3_forward(q, k, v, scale, config=config, schedule=schedule)
-    return FP4TrainingAttention.apply(q, k, v, scale, method, config)
+    return FP4TrainingAttention.apply(q, k, v, scale, method, config, schedule)

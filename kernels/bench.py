@@ -25,9 +25,10 @@ WAN_SHAPES = {
     "wan1.3b-720p": dict(B=1, H=12, Sq=75600, Skv=75600, D=128),
     "wan-cross": dict(B=1, H=12, Sq=32760, Skv=512, D=128),
 }
-METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "nvfp4-triton", "sage3", "sage3-triton", "attnqat", "dropin")
-# ``nvfp4`` and ``sage3`` are what ``backend="auto"`` runs (the Gluon kernel on Hopper); ``*-triton``
-# forces the Triton kernel, so one run shows what the Gluon schedule buys. ``published`` (with
+METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "nvfp4-triton", "sage3", "sage3-triton", "attnqat",
+           "attnqat-triton", "dropin")
+# ``nvfp4``, ``sage3`` and ``attnqat`` are what ``backend="auto"`` runs (the Gluon kernels on Hopper);
+# ``*-triton`` forces the Triton kernels, so one run shows what the Gluon schedules buy. ``published`` (with
 # ``--published-kernel DIR``) is the published Attn-QAT Triton training kernel, for scale.
 DEFAULT_METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "sage3", "attnqat", "dropin")
 
@@ -202,7 +203,7 @@ def run_table(shapes, methods, backward: bool, rep_ms: float, published: str | N
         shape = WAN_SHAPES[sname]
         for method in methods:
             passes = [False]
-            if backward and method in ("sdpa-cudnn", "sdpa-flash", "attnqat", "dropin", "published"):
+            if backward and method in ("sdpa-cudnn", "sdpa-flash", "attnqat", "attnqat-triton", "dropin", "published"):
                 passes.append(True)
             if method == "dropin":
                 passes = [True] if backward else []
@@ -321,6 +322,7 @@ def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
     rows = []
     s2, s3 = dict(BM=128, num_warps=8, num_stages=2), dict(BM=128, num_warps=8, num_stages=3)
     from .gluon_fwd import gluon_attention_forward  # noqa: PLC0415
+    from .gluon_fwd_qat import gluon_attnqat_forward  # noqa: PLC0415
 
     def fwd(**kw):
         return lambda: F.attention_forward(qf, kf, vf, sm_scale=scale, **kw)
@@ -348,6 +350,8 @@ def time_variants(rep_ms: float, shape: dict | None = None) -> list[dict]:
          lambda: (gluon_attention_forward(qf, kf, vf, sm_scale=scale),), True),
         ("gluon nvfp4 ping-pong    BM128/2 WG/s3",
          lambda: (gluon_attention_forward(qf, kf, vf, sm_scale=scale, config=dict(STAGES=3)),), True),
+        ("gluon attnqat fwd + O'   BM128/2 WG/s2",
+         lambda: gluon_attnqat_forward(qf, kf, vf, sm_scale=scale), True),
         # sage3 on sage3_prepare's operands (the preparation is timed above)
         ("gluon sage3 ping-pong    BM128/2 WG/s2",
          lambda: (gluon_attention_forward(qf, kf, vf, sm_scale=scale, p_mode=F.P_SAGE3, bias=parts),)),

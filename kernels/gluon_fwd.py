@@ -117,7 +117,7 @@ if gluon is not None:
     def _softmax_tile(s, m_i, l_i, start_n, Skv, qk_scale, s_layout: gl.constexpr,
                       BM: gl.constexpr, BN: gl.constexpr, P_MODE: gl.constexpr):
         """Online softmax of one key tile and the P quantizer of ``P_MODE`` (nvfp4, or sage3's
-        two-level one, 2688× too large); returns (m, l, α, P̃ᶠ fp32)."""
+        two-level one, 2688× too large); returns (m, l, α, P̃ᶠ fp32, P̃)."""
         if start_n + BN > Skv:  # the ragged last tile: keys beyond Skv masked out
             offs_n = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             s = gl.where((offs_n < Skv)[None, :], s, float("-inf"))
@@ -125,7 +125,7 @@ if gluon is not None:
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
-        return m_new, l_i, alpha, quantize_p_rows(p, BM, BN, P_MODE)
+        return m_new, l_i, alpha, quantize_p_rows(p, BM, BN, P_MODE), p
 
     @gluon.jit
     def _turn_wait(turn, WG: gl.constexpr, event):
@@ -181,7 +181,7 @@ if gluon is not None:
         _turn_pass(turn, WG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0), count=1)
-        m_i, l_i, alpha, pq = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, P_MODE)
+        m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, P_MODE)
         p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)   # exact: ≤ 6 significant bits
         # Exactly one PV group is in flight at the top of every iteration (ptxas serializes all
         # wgmma otherwise): before the first, a zero product 0·V_0 stands in for PV_{-1}. (0·V_0 = 0
@@ -208,7 +208,7 @@ if gluon is not None:
             _turn_pass(turn, WG)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])                   # S_j
             mbarrier.arrive(k_empty.index(stage), count=1)
-            m_i, l_i, alpha, pq = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN, P_MODE)
+            m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN, P_MODE)
             p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)
 
         # epilogue: the last P̃ᶠ V

@@ -254,7 +254,12 @@ def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = 
     ints = dict(sob=S * H * D, sos=H * D, soh=D, H=H, Sq=S, Skv=S)
     typed = {"q_desc": (desc_ty, False), "k_desc": (desc_ty, False), "v_desc": (desc_ty, False),
              "O": ("*bf16", True), "qk_scale": ("fp32", False)}
-    fn = dict(nvfp4=G.gluon_attn_fwd_kernel, sage3=G.gluon_sage3_fwd_kernel)[method]
+    if method == "attnqat":
+        from .gluon_fwd_qat import gluon_attnqat_fwd_kernel  # noqa: PLC0415
+
+        typed |= {n: ("*fp32", True) for n in ("O2", "LSE2", "M2")}
+    fn = dict(nvfp4=G.gluon_attn_fwd_kernel, sage3=G.gluon_sage3_fwd_kernel,
+              attnqat=gluon_attnqat_fwd_kernel if method == "attnqat" else None)[method]
     if method == "sage3":
         typed["b_desc"] = (mangle_type(G.bias_descriptor(torch.empty(1, G.BIAS_PARTS, G.BLOCK_N,
                                                                      dtype=torch.bfloat16))), False)
@@ -274,7 +279,7 @@ def _kernel_facts(kernel):
     return text, scan, facts
 
 
-def gluon_facts(kernel, head_dim: int, s_steps: int | None = None) -> dict:
+def gluon_facts(kernel, head_dim: int, s_steps: int | None = None, pv_steps: int = 8) -> dict:
     """What the compiled Gluon forward's SASS shows: per consumer key loop (the innermost backward
     branch around HGMMA and exponentials: S_j = D/16 and PV_{j-1} = 8 HGMMA), its static length, the
     length of the ragged-tile mask block it branches over (so ``loop - mask`` instructions run per
@@ -282,7 +287,8 @@ def gluon_facts(kernel, head_dim: int, s_steps: int | None = None) -> dict:
     wait after the exponentials start (PV in flight during the softmax), and the quantizer's
     rounding instructions; for the kernel, spills (LDL/STL), registers (cuobjdump) and the
     ``setmaxnreg`` values in the PTX. ``s_steps``: k-steps of S per tile (default head_dim/16; the
-    sage3 kernel has one more, its correction row)."""
+    sage3 kernel has one more, its correction row); ``pv_steps``: k-steps of the products with V
+    (8; the attnqat forward's PV and ΔV: 16)."""
     text, (ops, lines, labels, loops), facts = _kernel_facts(kernel)
     facts["consumer_loops"] = []
     facts["max_register_index"] = max((int(r) for r in re.findall(r"\bR(\d+)\b", text)), default=-1)
@@ -290,7 +296,7 @@ def gluon_facts(kernel, head_dim: int, s_steps: int | None = None) -> dict:
         body = ops[a:e]
         # a key loop issues S_j (head_dim/16 k-steps) and PV_{j-1} (128/16); the mbarrier spin
         # loops' retry branches back into earlier code make larger spans, which hold more
-        if sum(o.startswith("HGMMA") for o in body) != (s_steps or head_dim // 16) + 8 or "MUFU.EX2" not in body:
+        if sum(o.startswith("HGMMA") for o in body) != (s_steps or head_dim // 16) + pv_steps or "MUFU.EX2" not in body:
             continue
         ex2 = [i for i, o in enumerate(body) if o == "MUFU.EX2"]
         hg = [i for i, o in enumerate(body) if o.startswith("HGMMA")]
@@ -311,6 +317,7 @@ def gluon_facts(kernel, head_dim: int, s_steps: int | None = None) -> dict:
             e2m1_magic_ffma=sum("6291456" in s for s in lines[a:e]),
             exponent_mask_lop3=sum("0x7f800000" in s for s in lines[a:e]),
             rcp=sum(o == "MUFU.RCP" for o in body),
+            spill_instructions=sum(o.startswith(("LDL", "STL")) for o in body),
             mix=dict(collections.Counter(o.split(".")[0] for o in body).most_common(12))))
     return facts
 
@@ -387,7 +394,8 @@ def gluon_dkdv_facts(kernel, head_dim: int) -> dict:
 
 def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict:
     """{head_dim: :func:`gluon_facts` of the Gluon nvfp4 forward, plus ``sage3``: the same facts of
-    the Gluon sage3 forward (one more k-step of S per tile, its correction row), ``dkdv``:
+    the Gluon sage3 forward (one more k-step of S per tile, its correction row), ``attnqat``: of
+    the Gluon attnqat forward (PV and ΔV: 16 k-steps), ``dkdv``:
     :func:`gluon_dkdv_facts` of the attnqat dK/dV kernel (its ``triton_loop``: the Triton dK/dV
     kernel's default loop, per 64 × 64 tile on 4 warps); ``triton_loop``: the
     key loop length of the Triton kernel of the same method (sage3: with its correction row)
@@ -397,17 +405,17 @@ def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict
     report = {}
     for D in head_dims:
         facts = {}
-        for method in ("nvfp4", "sage3"):
+        for method in ("nvfp4", "sage3", "attnqat"):
             try:
                 f = gluon_facts(compile_gluon_forward(arch, shape=(1, 32760, 12, D), method=method), D,
-                                D // 16 + (method == "sage3"))
+                                D // 16 + (method == "sage3"), 16 if method == "attnqat" else 8)
             except Exception as exc:  # noqa: BLE001 - reported
                 f = dict(error=f"{type(exc).__name__}: {exc}")
             if "error" not in f:
                 sage3 = method == "sage3"
                 f["triton_loop"] = summarize(compile_forward(arch, 2 if sage3 else 1, shape=(1, 32760, 12, D),
-                                                             has_bias=sage3)).loop
-            facts.update(f) if method == "nvfp4" else facts.update(sage3=f)
+                                                             has_bias=sage3, need_o2=method == "attnqat")).loop
+            facts.update(f) if method == "nvfp4" else facts.update({method: f})
         try:
             facts["dkdv"] = gluon_dkdv_facts(compile_gluon_dkdv(arch, shape=(1, 32760, 12, D)), D)
             facts["dkdv"]["triton_loop"] = summarize(compile_dkdv(arch, True, shape=(1, 32760, 12, D))).loop
@@ -422,7 +430,7 @@ def print_gluon(report: dict) -> None:
     """One line per head_dim, kernel and consumer of :func:`gluon_report`: its loop's length against
     the Triton kernel's loop of the same method, the wgmma groups and waits, registers and spills."""
     for D, facts in report.items():
-        for method, f in (("nvfp4", facts), ("sage3", facts.get("sage3", {}))):
+        for method, f in (("nvfp4", facts), ("sage3", facts.get("sage3", {})), ("attnqat", facts.get("attnqat", {}))):
             if "error" in f:
                 print(f"gluon {method} D={D}: does not compile under triton {facts['triton']}: {f['error'][:200]}")
                 continue
@@ -430,8 +438,8 @@ def print_gluon(report: dict) -> None:
                 print(f"gluon {method} D={D} consumer {i}: {lp['per_full_tile']} instructions per full key "
                       f"tile (Triton {method} loop {f['triton_loop']}), {lp['hgmma']} HGMMA, {lp['waits']} "
                       f"waits ({lp['waits_after_first_ex2']} after the first exponential), "
-                      f"{f['registers']} registers, {f['spill_instructions']} spill instructions, "
-                      f"setmaxnreg {f['setmaxnreg']}")
+                      f"{f['registers']} registers, {lp['spill_instructions']} spill instructions in the loop "
+                      f"({f['spill_instructions']} in the kernel), setmaxnreg {f['setmaxnreg']}")
         f = facts.get("dkdv", {})
         if "error" in f:
             print(f"gluon dK/dV D={D}: does not compile under triton {facts['triton']}: {f['error'][:200]}")

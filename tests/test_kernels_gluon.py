@@ -1,5 +1,6 @@
-"""The Gluon kernels for Hopper: the ``nvfp4``/``sage3`` forward (kernels/gluon_fwd.py) and the
-backward's dK/dV kernel (kernels/gluon_bwd.py).
+"""The Gluon kernels for Hopper: the ``nvfp4``/``sage3`` forward (kernels/gluon_fwd.py), the
+``attnqat`` training forward (kernels/gluon_fwd_qat.py) and the backward's dK/dV kernel
+(kernels/gluon_bwd.py).
 
 CPU: the kernel compiled for sm_90 (no GPU needed) and the machine-code facts that make it worth
 having over the Triton kernel — tensor-core work issued asynchronously with the PV product in
@@ -7,7 +8,8 @@ flight during the softmax, no spills, register reallocation between the partitio
 quantizer's rounding present, fewer instructions per key tile than the Triton kernel's loop.
 GPU (``pytest -m gpu``, Hopper only): outputs against the Triton forward on the same pre-quantized
 operands and against the PyTorch reference of the method, with test_kernels_gpu.py's tolerance;
-the dK/dV kernel's gradients against the Triton dK/dV kernel's, bit for bit.
+the attnqat forward's O, O', LSE₂, m₂ and the dK/dV kernel's gradients against the Triton
+kernels', bit for bit.
 """
 
 import json
@@ -19,6 +21,7 @@ import pytest
 import torch
 from attnqat.kernels import gluon_bwd as GB
 from attnqat.kernels import gluon_fwd as G
+from attnqat.kernels import gluon_fwd_qat as GQ
 
 from attnqat import reference as ref
 
@@ -43,6 +46,7 @@ def report(tmp_path_factory):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert "gluon nvfp4 D=128 consumer 1:" in res.stdout
     assert "gluon sage3 D=128 consumer 1:" in res.stdout
+    assert "gluon attnqat D=128 consumer 1:" in res.stdout
     assert "gluon dK/dV D=128 consumer 1:" in res.stdout
     return {int(d): f for d, f in json.loads(out.read_text())["gluon"].items()}
 
@@ -125,6 +129,46 @@ def test_dkdv_query_loops_keep_the_products_asynchronous(report, D):
     assert GB.CONFIG["CONSUMER_REGS"] in f["setmaxnreg"] and GB.CONFIG["LOADER_REGS"] in f["setmaxnreg"]
 
 
+@pytest.mark.parametrize("D", [128, 64])
+def test_attnqat_forward_loops_wait_once_per_tile(report, D):
+    """The attnqat forward, one key loop per consumer warpgroup: per tile S_j (D/16 k-steps), PV_{j-1}
+    and ΔV_{j-1} (8 each) issued as asynchronous wgmma and waited for with one wait before the
+    softmax (a loop ptxas serialized waits after every HGMMA — what a register P̃ᶠ operand did);
+    the P quantizer's rounding present; few spill instructions in the loop (O, O' and S take 192 of
+    the 240 registers at D = 128: 9 and 3 per consumer with Triton 3.6's ptxas, 30 and 27 with
+    3.9's, of ~1,400 per tile; at D = 64 none and 2-3)."""
+    f = report[D]["attnqat"]
+    assert "error" not in f, f"the Gluon attnqat forward does not compile for sm_90: {f.get('error')}"
+    loops = f["consumer_loops"]
+    assert len(loops) == 2, "one key loop per consumer warpgroup"
+    for lp in loops:
+        assert lp["hgmma"] == D // 16 + 16
+        assert lp["waits"] == 1
+        assert lp["last_hgmma"] < lp["first_ex2"] and lp["waits_after_first_ex2"] == 0
+        assert lp["e2m1_magic_ffma"] == 128 and lp["rcp"] == 16
+        assert lp["spill_instructions"] <= (40 if D == 128 else 8)
+    assert f["registers"] == G.CONFIG["MAXNREG"]
+    assert G.CONFIG["CONSUMER_REGS"] in f["setmaxnreg"] and G.CONFIG["LOADER_REGS"] in f["setmaxnreg"]
+
+
+def test_attnqat_forward_schedule_choice_on_the_cpu():
+    """Off Hopper the attnqat forward is the Triton kernel; an explicit "gluon" says why it cannot
+    run; at head_dim 64 (where the Gluon kernel measured slower) the default is the Triton kernel."""
+    from attnqat import kernels as K
+
+    q = torch.zeros(1, 128, 1, 128, dtype=torch.bfloat16)
+    assert GQ.choose_qat_schedule(q, q, q, None, None) == "triton"
+    assert GQ.choose_qat_schedule(q[..., :64], q[..., :64], q[..., :64], None, None) == "triton"
+    with pytest.raises(ValueError, match="cannot run these inputs: q is on cpu"):
+        GQ.choose_qat_schedule(q, q, q, "gluon", None)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        GQ.choose_qat_schedule(q, q, q, "cudnn", None)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        K.triton_attention(q, q, q, "attnqat", schedule="cudnn")
+    with pytest.raises(RuntimeError, match="gluon_attnqat_forward cannot run"):
+        GQ.gluon_attnqat_forward(q, q, q, sm_scale=0.125)
+
+
 def test_dkdv_schedule_choice_on_the_cpu():
     """Off Hopper the dK/dV kernel is the Triton one; asking for the Gluon one says why it cannot
     run; a Triton tile override selects the Triton kernel."""
@@ -165,8 +209,6 @@ def test_schedule_choice_on_the_cpu():
         K.nvfp4_forward(q, q, q, 0.125, formulation=1, schedule="gluon")
     with pytest.raises(ValueError, match="schedule must be one of"):   # checked for every formulation
         K.nvfp4_forward(q, q, q, 0.125, formulation=1, schedule="cudnn")
-    with pytest.raises(ValueError, match="'nvfp4' and 'sage3', not 'attnqat'"):
-        K.triton_attention(q, q, q, "attnqat", schedule="gluon")
 
 
 def test_sage3_schedule_argument():
@@ -516,3 +558,77 @@ def test_training_backward_runs_the_gluon_dkdv_kernel(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="not TMA-addressable"):
         Bw.attention_backward(qf, kf, vf, o2, strided_do, lse2, m2, sm_scale=0.1, quant_p=True, schedule="gluon")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (Hopper): the attnqat forward
+# ----------------------------------------------------------------------------------------------
+
+def _qat_forwards(B, Sq, Skv, H, D, outliers, seed):
+    """(Gluon, Triton) attnqat forwards — (O, O', LSE₂, m₂) each — on the same quantized operands."""
+    from attnqat.kernels.attention_fwd import attention_forward
+
+    _, (qf, kf, vf) = _operands(B, Sq, Skv, H, D, outliers, seed)
+    with torch.no_grad():
+        return (GQ.gluon_attnqat_forward(qf, kf, vf, sm_scale=D ** -0.5),
+                attention_forward(qf, kf, vf, sm_scale=D ** -0.5, need_o2=True, store_stats=True))
+
+
+def _assert_same_forward(got, want):
+    for name, a, b in zip(("O", "O'", "LSE2", "m2"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.isfinite(a.float()).all(), name
+        assert torch.equal(a, b), f"{name}: {(a != b).float().mean().item():.3%} differ"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", SHAPES + [dict(B=1, Sq=128, Skv=128, H=1, D=128)],
+                         ids=lambda s: f"b{s['B']}q{s['Sq']}k{s['Skv']}d{s['D']}")
+@pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])
+def test_attnqat_forward_bit_identical_to_the_triton_kernel(shape, outliers):
+    """The same softmax, quantizer and difference product as the Triton kernel with ``need_o2`` and
+    ``store_stats`` on the same accumulator layout: O, O', LSE₂ and m₂ agree bit for bit (ragged
+    and single key tiles, two batch elements, D 64 and 128)."""
+    _assert_same_forward(*_qat_forwards(*(shape[k] for k in ("B", "Sq", "Skv", "H", "D")), outliers, seed=31))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_attnqat_forward_wan_shape_bit_identical():
+    """Wan 2.1 1.3B 480p (32,760 queries and keys: 255 full key tiles and one of 120 keys, a last
+    query block of 120 rows), outlier-heavy inputs."""
+    _assert_same_forward(*_qat_forwards(1, 32760, 32760, 12, 128, True, seed=32))
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_training_forward_runs_the_gluon_attnqat_kernel(monkeypatch):
+    """``attnqat`` with the default schedule runs the Gluon forward on Hopper for bf16 inputs at
+    head_dim 128 — output and gradients bit-identical to ``schedule="triton"`` — and the Triton
+    forward at head_dim 64, for float16 and for a Triton tile override; an explicit "gluon" runs it
+    at head_dim 64 too."""
+    from attnqat import attention
+    from attnqat import kernels as K
+
+    calls = []
+    real = GQ.gluon_attnqat_forward
+    monkeypatch.setattr(GQ, "gluon_attnqat_forward", lambda *a, **kw: calls.append(a[0].shape[-1]) or real(*a, **kw))
+    (q, k, v), _ = _operands(1, 700, 700, 2, 128, True, seed=33)
+    runs = {}
+    for schedule in (None, "triton"):
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        o = K.triton_attention(qq, kk, vv, "attnqat", schedule=schedule)
+        o.float().square().sum().backward()
+        runs[schedule] = (o, qq.grad, kk.grad, vv.grad)
+    assert calls == [128], "the default schedule did not run the Gluon attnqat forward on this Hopper GPU"
+    for name, a, b in zip(("o", "dq", "dk", "dv"), runs[None], runs["triton"]):
+        assert torch.equal(a, b), f"{name}: {(a != b).float().mean().item():.3%} differ"
+    q64, k64, v64 = (t[..., :64].contiguous() for t in (q, k, v))
+    with torch.no_grad():
+        attention(q64, k64, v64, "attnqat", backend="auto")
+        attention(q.half(), k.half(), v.half(), "attnqat", backend="auto")
+        K.triton_attention(q, k, v, "attnqat", config=dict(fwd=dict(BM=128)))
+        assert calls == [128], "head_dim 64, float16 and a tile override must take the Triton forward"
+        K.triton_attention(q64, k64, v64, "attnqat", schedule="gluon")
+    assert calls == [128, 64]
