@@ -18,8 +18,8 @@ backward quantizes P relative to the row's final maximum). P is computed once as
 Three launches: ``_bwd_preprocess`` (D), ``_bwd_dkdv_kernel`` (one program per key block, looping
 over query blocks; S in either orientation, :func:`_dkdv_step`) and ``_bwd_dq_kernel`` (one program
 per query block, looping over key blocks). No atomics: the result is deterministic. On Hopper the
-dK/dV launch is :func:`.gluon_bwd.gluon_dkdv` by default (the same values bit for bit, faster;
-:func:`choose_dkdv_schedule`).
+dK/dV and dQ launches are :func:`.gluon_bwd.gluon_dkdv` and :func:`.gluon_bwd.gluon_dq` by default
+(the same values bit for bit, faster; :func:`choose_dkdv_schedule`).
 """
 
 from __future__ import annotations
@@ -272,22 +272,27 @@ def _s4(t):
     return t.stride(0), t.stride(1), t.stride(2), t.stride(3)
 
 
-def choose_dkdv_schedule(q, k, v, do, schedule: str | None, config) -> str:
-    """Which kernel computes dK and dV: ``"gluon"`` (:mod:`.gluon_bwd`, Hopper; on an H100 faster,
-    docs/benchmarks.md) wherever it takes the operands, else ``"triton"``. A ``"dkdv"`` tile
-    override is the Triton kernel's, so it selects it; so does the Triton interpreter. An explicit
-    ``"gluon"`` that cannot run raises ValueError instead of silently running the other kernel."""
-    from .gluon_bwd import gluon_dkdv_unsupported  # noqa: PLC0415
+def choose_dkdv_schedule(q, k, v, do, schedule: str | None, config, kernel: str = "dkdv") -> str:
+    """Which kernel computes dK and dV (``kernel="dkdv"``) or dQ (``"dq"``): ``"gluon"``
+    (:mod:`.gluon_bwd`, Hopper; on an H100 faster, docs/benchmarks.md) wherever it takes the
+    operands, else ``"triton"``. A ``"dkdv"`` (``"dq"``) tile override is the Triton kernel's, so it
+    selects it; so does the Triton interpreter; the default dQ kernel is the Gluon one only at the
+    head_dims of :data:`.gluon_bwd.DQ_AUTO_HEAD_DIMS`. An explicit ``"gluon"`` that cannot run
+    raises ValueError instead of silently running the other kernel."""
+    from .gluon_bwd import DQ_AUTO_HEAD_DIMS, gluon_dkdv_unsupported  # noqa: PLC0415
     from .gluon_fwd import check_schedule  # noqa: PLC0415
 
     check_schedule(schedule)
-    if schedule == "triton" or (schedule is None and ("dkdv" in (config or {}) or INTERPRET.value)):
+    if schedule == "triton" or (schedule is None and (kernel in (config or {}) or INTERPRET.value)):
+        return "triton"
+    if schedule is None and kernel == "dq" and q.shape[-1] not in DQ_AUTO_HEAD_DIMS:
         return "triton"
     why = gluon_dkdv_unsupported(q, k, v, do)
     if why is None:
         return "gluon"
     if schedule == "gluon":
-        raise ValueError(f"the Gluon dK/dV kernel cannot run these inputs: {why}")
+        name = "dK/dV" if kernel == "dkdv" else "dQ"
+        raise ValueError(f"the Gluon {name} kernel cannot run these inputs: {why}")
     return "triton"
 
 
@@ -299,15 +304,16 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
     dropin). ``o``: the output D is taken from (O' for attnqat, the FP4 O for dropin). ``lse2``,
     ``m2``: the forward's log-sum-exp and final row maximum in log2 units, (B, H, Sq) float32.
     ``config``: overrides of the ``"dkdv"`` (:func:`dkdv_config`; ``NATURAL`` picks the tile's
-    orientation; selects the Triton kernel), ``"gluon"`` (:data:`.gluon_bwd.CONFIG`) and ``"dq"``
-    launch configurations. ``schedule``: ``"gluon"`` | ``"triton"`` | None for the dK/dV kernel
+    orientation; selects the Triton kernel), ``"gluon"`` (:data:`.gluon_bwd.CONFIG`), ``"dq"``
+    (selects the Triton dQ kernel) and ``"gluon_dq"`` (:data:`.gluon_bwd.DQ_CONFIG`) launch
+    configurations. ``schedule``: ``"gluon"`` | ``"triton"`` | None for the dK/dV and the dQ kernel
     (:func:`choose_dkdv_schedule`).
     """
     import torch  # noqa: PLC0415
 
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
-    cfg = dict(dkdv=dkdv_config(D, Sq, quant_p), dq=dict(BWD_CONFIGS[D]["dq"]), gluon={})
+    cfg = dict(dkdv=dkdv_config(D, Sq, quant_p), dq=dict(BWD_CONFIGS[D]["dq"]), gluon={}, gluon_dq={})
     for key, val in (config or {}).items():
         cfg[key].update(val)
     delta = torch.empty(B, H, Sq, device=q.device, dtype=torch.float32)
@@ -327,9 +333,14 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
             q, k, v, do, dk, dv, lse2, m2 if m2 is not None else lse2, delta,
             *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dk), *_s4(dv),
             H, Sq, Skv, qk_scale, sm_scale, D=D, QUANT_P=quant_p, **c1)
-    c2 = cfg["dq"]
-    _bwd_dq_kernel[(triton.cdiv(Sq, c2["BM"]), B * H)](
-        q, k, v, do, dq, lse2, delta,
-        *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dq),
-        H, Sq, Skv, qk_scale, sm_scale, D=D, **c2)
+    if choose_dkdv_schedule(q, k, v, do, schedule, config, "dq") == "gluon":
+        from .gluon_bwd import gluon_dq  # noqa: PLC0415
+
+        gluon_dq(q, k, v, do, dq, lse2, delta, sm_scale=sm_scale, config=cfg["gluon_dq"])
+    else:
+        c2 = cfg["dq"]
+        _bwd_dq_kernel[(triton.cdiv(Sq, c2["BM"]), B * H)](
+            q, k, v, do, dq, lse2, delta,
+            *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dq),
+            H, Sq, Skv, qk_scale, sm_scale, D=D, **c2)
     return dq, dk, dv

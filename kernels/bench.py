@@ -406,10 +406,13 @@ def time_backward_variants(rep_ms: float, shape: dict | None = None) -> list[dic
     natural = dict(BM=64, BN=64, num_warps=4, num_stages=1, NATURAL=True)
     dkdv += [dict(BM=128, BN=64, num_warps=8, num_stages=1, NATURAL=True),
              dict(BM=64, BN=64, num_warps=4, num_stages=2, NATURAL=True)]
-    # the default dK/dV kernel is the Gluon one on Hopper; a "dkdv" override selects the Triton kernel
-    cases = [("attnqat default (Gluon dK/dV on Hopper)", True, None),
+    # the default dK/dV and dQ kernels are the Gluon ones on Hopper (dQ: at D = 128); a "dkdv" or
+    # "dq" override selects the Triton kernel
+    cases = [("attnqat default (Gluon dK/dV and dQ on Hopper)", True, None),
              ("attnqat Triton dK/dV, default tiles", True, dict(dkdv={})),
-             ("attnqat Gluon dK/dV, 3-slot ring", True, dict(gluon=dict(STAGES=3)))]
+             ("attnqat Gluon dK/dV, 3-slot ring", True, dict(gluon=dict(STAGES=3))),
+             ("attnqat Gluon dK/dV, Triton dQ", True, dict(dq={})),
+             ("attnqat Gluon dQ, 3-slot ring", True, dict(gluon_dq=dict(STAGES=3)))]
     cases += [(f"dkdv {c}", True, dict(dkdv=c)) for c in dkdv] + [(f"dq {c}", True, dict(dq=c)) for c in dq]
     cases += [("dropin (no P quantizer) default", False, None),
               ("dropin (no P quantizer) Triton dK/dV", False, dict(dkdv={})),

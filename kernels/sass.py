@@ -369,6 +369,30 @@ def compile_gluon_dkdv(arch: int = 90, *, shape: tuple[int, int, int, int] = (1,
     return _compile_gluon(GB.gluon_dkdv_kernel, arch, consts, typed, ints, cfg["MAXNREG"])
 
 
+def compile_gluon_dq(arch: int = 90, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
+                     config: dict | None = None):
+    """The Gluon dQ kernel (:func:`.gluon_bwd.gluon_dq_kernel`) compiled for ``sm_<arch>`` as
+    :func:`.gluon_bwd.gluon_dq` compiles it for contiguous (B, S, H, D) = ``shape`` tensors."""
+    import torch  # noqa: PLC0415
+    from triton.runtime.jit import mangle_type  # noqa: PLC0415
+
+    from . import gluon_bwd as GB  # noqa: PLC0415
+
+    _check_gluon()
+
+    cfg = dict(GB.DQ_CONFIG)
+    cfg.update(config or {})
+    _, S, H, D = shape
+    t = torch.empty(1, GB.QUERIES_PER_CTA, 1, D, dtype=torch.bfloat16)
+    q_ty, k_ty = (mangle_type(GB.tma_descriptor(t, rows)) for rows in (GB.QUERIES_PER_CTA, GB.KEY_BLOCK))
+    consts = dict(D=D, STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], LOADER_REGS=cfg["LOADER_REGS"])
+    ints = dict(sdqb=S * H * D, sdqs=H * D, sdqh=D, H=H, Sq=S, Skv=S)
+    typed = {"q_desc": (q_ty, False), "do_desc": (q_ty, False), "k_desc": (k_ty, False), "v_desc": (k_ty, False),
+             "qk_scale": ("fp32", False), "sm_scale": ("fp32", False), "DQ": ("*bf16", True),
+             "LSE2": ("*fp32", True), "DELTA": ("*fp32", True)}
+    return _compile_gluon(GB.gluon_dq_kernel, arch, consts, typed, ints, cfg["MAXNREG"])
+
+
 def gluon_dkdv_facts(kernel, head_dim: int) -> dict:
     """What the compiled Gluon dK/dV kernel's SASS shows: per consumer query loop (the conditional
     branch back around S_i and dP_i (head_dim/16 k-steps each), dV and dK (64 queries / 16 k-steps each) and the
@@ -392,10 +416,39 @@ def gluon_dkdv_facts(kernel, head_dim: int) -> dict:
     return facts
 
 
+def gluon_dq_facts(kernel, head_dim: int) -> dict:
+    """What the compiled Gluon dQ kernel's SASS shows: per consumer key loop (the conditional branch
+    back around S_j and dP_j (head_dim/16 k-steps each), dQ (64 keys / 16 k-steps) and the
+    exponentials) its length, HGMMA, wgmma waits and whether the wait for dP comes after the first
+    exponential (the exponentials overlap dP), spill instructions; kernel-wide facts as
+    :func:`gluon_dkdv_facts`."""
+    _, (ops, lines, _, loops), facts = _kernel_facts(kernel)
+    facts["key_loops"] = []
+    per_block = 2 * (head_dim // 16) + 64 // 16
+    spans = [(a, e) for a, e in loops
+             if sum(o.startswith("HGMMA") for o in ops[a:e]) == per_block and "MUFU.EX2" in ops[a:e]]
+    # the shortest disjoint spans: an mbarrier wait's out-of-line retry jumps back across a loop and
+    # makes larger, overlapping ones
+    kept = []
+    for a, e in sorted(spans, key=lambda ae: ae[1] - ae[0]):
+        if all(e <= a2 or e2 <= a for a2, e2 in kept):
+            kept.append((a, e))
+    for a, e in sorted(kept):
+        body = ops[a:e]
+        waits = [i for i, o in enumerate(body) if o.startswith("WARPGROUP.DEPBAR")]
+        first_ex2 = body.index("MUFU.EX2")
+        facts["key_loops"].append(dict(
+            loop=len(body), hgmma=per_block, waits=len(waits), waits_after_first_ex2=sum(w > first_ex2 for w in waits),
+            spill_instructions=sum(o.startswith(("LDL", "STL")) for o in body),
+            ex2=sum(o == "MUFU.EX2" for o in body)))
+    return facts
+
+
 def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict:
     """{head_dim: :func:`gluon_facts` of the Gluon nvfp4 forward, plus ``sage3``: the same facts of
     the Gluon sage3 forward (one more k-step of S per tile, its correction row), ``attnqat``: of
-    the Gluon attnqat forward (PV and ΔV: 16 k-steps), ``dkdv``:
+    the Gluon attnqat forward (PV and ΔV: 16 k-steps), ``dq``: :func:`gluon_dq_facts` of the Gluon
+    dQ kernel, ``dkdv``:
     :func:`gluon_dkdv_facts` of the attnqat dK/dV kernel (its ``triton_loop``: the Triton dK/dV
     kernel's default loop, per 64 × 64 tile on 4 warps); ``triton_loop``: the
     key loop length of the Triton kernel of the same method (sage3: with its correction row)
@@ -421,6 +474,10 @@ def gluon_report(arch: int = 90, head_dims: tuple[int, ...] = (64, 128)) -> dict
             facts["dkdv"]["triton_loop"] = summarize(compile_dkdv(arch, True, shape=(1, 32760, 12, D))).loop
         except Exception as exc:  # noqa: BLE001 - reported
             facts["dkdv"] = dict(error=f"{type(exc).__name__}: {exc}")
+        try:
+            facts["dq"] = gluon_dq_facts(compile_gluon_dq(arch, shape=(1, 32760, 12, D)), D)
+        except Exception as exc:  # noqa: BLE001 - reported
+            facts["dq"] = dict(error=f"{type(exc).__name__}: {exc}")
         facts["triton"] = triton.__version__
         report[D] = facts
     return report
@@ -449,7 +506,16 @@ def print_gluon(report: dict) -> None:
                   f"loop {f['triton_loop']} per 64 x 64 tile), {lp['hgmma']} HGMMA, {lp['waits']} waits, "
                   f"{lp['spill_instructions']} spill instructions in the loop ({f['spill_instructions']} in the "
                   f"kernel), {f['registers']} registers, setmaxnreg {f['setmaxnreg']}")
+        f = facts.get("dq", {})
+        if "error" in f:
+            print(f"gluon dQ D={D}: does not compile under triton {facts['triton']}: {f['error'][:200]}")
+            continue
+        for i, lp in enumerate(f.get("key_loops", [])):
+            print(f"gluon dQ D={D} consumer {i}: {lp['loop']} instructions per 64 x 64 block, {lp['hgmma']} HGMMA, "
+                  f"{lp['waits']} waits ({lp['waits_after_first_ex2']} after the first exponential), "
+                  f"{lp['spill_instructions']} spill instructions in the loop ({f['spill_instructions']} in the "
+                  f"kernel), {f['registers']} registers, setmaxnreg {f['setmaxnreg']}")
 
 
 __all__ = ["VARIANTS", "Sass", "compile_dkdv", "compile_forward", "dkdv_table", "compile_gluon_dkdv",
-           "compile_gluon_forward", "disassemble", "gluon_dkdv_facts", "gluon_facts", "gluon_report", "parse", "print_gluon", "print_table", "summarize", "table"]
+           "compile_gluon_forward", "compile_gluon_dq", "disassemble", "gluon_dkdv_facts", "gluon_dq_facts", "gluon_facts", "gluon_report", "parse", "print_gluon", "print_table", "summarize", "table"]

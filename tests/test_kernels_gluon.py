@@ -1,5 +1,5 @@
 """The Gluon kernels for Hopper: the ``nvfp4``/``sage3`` forward (kernels/gluon_fwd.py), the
-``attnqat`` training forward (kernels/gluon_fwd_qat.py) and the backward's dK/dV kernel
+``attnqat`` training forward (kernels/gluon_fwd_qat.py) and the backward's dK/dV and dQ kernels
 (kernels/gluon_bwd.py).
 
 CPU: the kernel compiled for sm_90 (no GPU needed) and the machine-code facts that make it worth
@@ -8,7 +8,7 @@ flight during the softmax, no spills, register reallocation between the partitio
 quantizer's rounding present, fewer instructions per key tile than the Triton kernel's loop.
 GPU (``pytest -m gpu``, Hopper only): outputs against the Triton forward on the same pre-quantized
 operands and against the PyTorch reference of the method, with test_kernels_gpu.py's tolerance;
-the attnqat forward's O, O', LSE₂, m₂ and the dK/dV kernel's gradients against the Triton
+the attnqat forward's O, O', LSE₂, m₂ and the dK/dV and dQ kernels' gradients against the Triton
 kernels', bit for bit.
 """
 
@@ -48,6 +48,7 @@ def report(tmp_path_factory):
     assert "gluon sage3 D=128 consumer 1:" in res.stdout
     assert "gluon attnqat D=128 consumer 1:" in res.stdout
     assert "gluon dK/dV D=128 consumer 1:" in res.stdout
+    assert "gluon dQ D=128 consumer 1:" in res.stdout
     return {int(d): f for d, f in json.loads(out.read_text())["gluon"].items()}
 
 
@@ -130,6 +131,23 @@ def test_dkdv_query_loops_keep_the_products_asynchronous(report, D):
 
 
 @pytest.mark.parametrize("D", [128, 64])
+def test_dq_key_loops_overlap_the_exponentials_with_dp(report, D):
+    """The dQ kernel, one key loop per consumer warpgroup: per 64-key block S_j and dP_j (D/16
+    k-steps each) and dQ (4 k-steps) as asynchronous wgmma with two waits, the one for dP after the
+    first exponential (the exponentials overlap dP), no spills."""
+    f = report[D]["dq"]
+    assert "error" not in f, f"the Gluon dQ kernel does not compile for sm_90: {f.get('error')}"
+    loops = f["key_loops"]
+    assert len(loops) == 2, "one key loop per consumer warpgroup"
+    for lp in loops:
+        assert lp["hgmma"] == 2 * D // 16 + 4
+        assert lp["waits"] == 2 and lp["waits_after_first_ex2"] == 1
+        assert lp["spill_instructions"] == 0
+        assert lp["ex2"] >= 32, "32 scores per thread and block"
+    assert f["registers"] == GB.DQ_CONFIG["MAXNREG"]
+
+
+@pytest.mark.parametrize("D", [128, 64])
 def test_attnqat_forward_loops_wait_once_per_tile(report, D):
     """The attnqat forward, one key loop per consumer warpgroup: per tile S_j (D/16 k-steps), PV_{j-1}
     and ΔV_{j-1} (8 each) issued as asynchronous wgmma and waited for with one wait before the
@@ -170,8 +188,8 @@ def test_attnqat_forward_schedule_choice_on_the_cpu():
 
 
 def test_dkdv_schedule_choice_on_the_cpu():
-    """Off Hopper the dK/dV kernel is the Triton one; asking for the Gluon one says why it cannot
-    run; a Triton tile override selects the Triton kernel."""
+    """Off Hopper the dK/dV and dQ kernels are the Triton ones; asking for the Gluon ones says why
+    they cannot run; a Triton tile override selects the Triton kernel."""
     from attnqat.kernels.attention_bwd import choose_dkdv_schedule
 
     q = torch.zeros(1, 128, 1, 64, dtype=torch.bfloat16)
@@ -179,6 +197,11 @@ def test_dkdv_schedule_choice_on_the_cpu():
     assert choose_dkdv_schedule(q, q, q, q, None, dict(dkdv=dict(BM=64))) == "triton"
     with pytest.raises(ValueError, match="cannot run these inputs: q must be a 4-D bfloat16 CUDA tensor"):
         choose_dkdv_schedule(q, q, q, q, "gluon", None)
+    assert choose_dkdv_schedule(q, q, q, q, None, None, "dq") == "triton"
+    with pytest.raises(ValueError, match="Gluon dQ kernel cannot run these inputs"):
+        choose_dkdv_schedule(q, q, q, q, "gluon", None, "dq")
+    with pytest.raises(RuntimeError, match="gluon_dq cannot run"):
+        GB.gluon_dq(q, q, q, q, q, None, None, sm_scale=0.125)
     with pytest.raises(ValueError, match="schedule must be one of"):
         choose_dkdv_schedule(q, q, q, q, "cudnn", None)
     with pytest.raises(RuntimeError, match="gluon_dkdv cannot run"):
@@ -632,3 +655,52 @@ def test_training_forward_runs_the_gluon_attnqat_kernel(monkeypatch):
         assert calls == [128], "head_dim 64, float16 and a tile override must take the Triton forward"
         K.triton_attention(q64, k64, v64, "attnqat", schedule="gluon")
     assert calls == [128, 64]
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (Hopper): the dQ kernel
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}q{}k{}h{}d{}".format(*s))
+@pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])
+@pytest.mark.parametrize("method", ["attnqat", "dropin"])
+def test_dq_bit_identical_to_the_triton_kernel(method, shape, outliers):
+    """The Triton dQ kernel's P, dS and 64-key k-steps on the same accumulator layout: dQ agrees bit
+    for bit, with 3- and 4-slot rings (dK/dV from the Triton kernel in both, so the launch is the
+    only difference)."""
+    from attnqat.kernels.attention_bwd import attention_backward
+
+    ops = _backward_operands(*shape, outliers, seed=41, method=method)
+    kw = dict(sm_scale=shape[-1] ** -0.5, quant_p=method == "attnqat")
+    want = attention_backward(*ops, **kw, schedule="triton")
+    for stages in (3, 4):
+        got = attention_backward(*ops, **kw, schedule="gluon", config=dict(dkdv={}, gluon_dq=dict(STAGES=stages)))
+        for name, a, b in zip(("dq", "dk", "dv"), got, want):
+            assert torch.isfinite(a.float()).all(), name
+            assert torch.equal(a, b), f"{name}: {(a != b).float().mean().item():.3%} differ (STAGES={stages})"
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_training_backward_runs_the_gluon_dq_kernel(monkeypatch):
+    """The default schedule computes dQ with the Gluon kernel on Hopper for bf16 operands at head_dim
+    128, and with the Triton kernel at head_dim 64 and for a "dq" tile override; an explicit "gluon"
+    runs it at head_dim 64 too."""
+    from attnqat.kernels.attention_bwd import attention_backward
+
+    calls = []
+    real = GB.gluon_dq
+    monkeypatch.setattr(GB, "gluon_dq", lambda *a, **kw: calls.append(a[0].shape[-1]) or real(*a, **kw))
+    ops128 = _backward_operands(1, 300, 300, 2, 128, True, seed=42, method="attnqat")
+    ops64 = _backward_operands(1, 300, 300, 2, 64, True, seed=43, method="attnqat")
+    got = attention_backward(*ops128, sm_scale=0.1, quant_p=True)
+    assert calls == [128], "the default schedule did not run the Gluon dQ kernel on this Hopper GPU"
+    attention_backward(*ops128, sm_scale=0.1, quant_p=True, config=dict(dq=dict(BM=128)))
+    attention_backward(*ops64, sm_scale=0.1, quant_p=True)
+    assert calls == [128], "head_dim 64 and a dq tile override must take the Triton dQ kernel"
+    attention_backward(*ops64, sm_scale=0.1, quant_p=True, schedule="gluon")
+    assert calls == [128, 64]
+    want = attention_backward(*ops128, sm_scale=0.1, quant_p=True, schedule="triton")
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
