@@ -12,7 +12,7 @@ Modules: :mod:`.quantize` (NVFP4 quantize/pack), :mod:`.attention_fwd` (the fuse
 ``attnqat`` and ``dropin`` backward), :mod:`.gluon_fwd` (the ``nvfp4`` and ``sage3`` forwards
 hand-scheduled in Gluon for Hopper: what ``backend="auto"`` runs there), :mod:`.gluon_fwd_qat` (the
 ``attnqat`` training forward in Gluon, likewise), :mod:`.gluon_bwd` (the
-backward's dK/dV kernel in Gluon for Hopper: same bits, likewise), :mod:`.sage3` (SageAttention3
+backward's dK/dV and dQ kernels in Gluon for Hopper: same bits, likewise), :mod:`.sage3` (SageAttention3
 numerics), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
 
 Supported: CUDA tensors (or the Triton interpreter, ``TRITON_INTERPRET=1``, through
@@ -177,10 +177,11 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
     ``schedule`` (nvfp4 formulation 0, sage3, attnqat, dropin): ``"gluon"`` the hand-scheduled Hopper
     kernels, ``"triton"`` the Triton kernels; default: Gluon wherever it takes the inputs (faster on
     an H100; nvfp4, attnqat and dropin: the same bits; sage3: the same arithmetic, its correction row
-    added by the tensor cores; the attnqat forward at head_dim 128 only, where it measured faster:
-    :data:`.gluon_fwd_qat.AUTO_HEAD_DIMS`). attnqat: the forward (O, O', statistics) and the backward's dK/dV
-    kernel; dropin: the dK/dV kernel (its forward, with a float32 O, has no Gluon version and is
-    always the Triton kernel); the dQ kernel is Triton's in both.
+    added by the tensor cores; the attnqat forward and the dQ kernel at head_dim 128 only, where
+    they measured faster: :data:`.gluon_fwd_qat.AUTO_HEAD_DIMS`, :data:`.gluon_bwd.DQ_AUTO_HEAD_DIMS`).
+    attnqat: the forward (O, O', statistics) and the backward's dK/dV and dQ kernels; dropin: the
+    backward's two kernels (its forward, with a float32 O, has no Gluon version and is always the
+    Triton kernel).
     """
     check_schedule(schedule)
     why = _why_not(q, k, v, method, allow_cpu=interpreting())
