@@ -197,18 +197,34 @@ if gluon is not None:
                  dv.to(DV.dtype.element_ty), mask=n_ok)
 
     @gluon.jit
-    def _loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
-                b, h, n0, Sq, STAGES: gl.constexpr):
-        """The producer warp: K and V of the CTA's keys once, then Q_i and dO_i through the ring."""
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-        _tma_load(k_desc, [b, n0, h, 0], kv_bar, k_smem)
-        _tma_load(v_desc, [b, n0, h, 0], kv_bar, v_smem)
-        for i in range(gl.cdiv(Sq, _HM)):
+    def _loader(once_a, once_b, once_a_smem, once_b_smem, once_bar, row0,
+                ring_a, ring_b, ring_a_smem, ring_b_smem, ready, empty, b, h, n_rows,
+                BLOCK: gl.constexpr, STAGES: gl.constexpr):
+        """The producer warp of both backward kernels: the CTA's own two tiles at row ``row0`` once
+        (dK/dV: K and V; dQ: Q and dO), then the other pair's two tiles of every ``BLOCK``-row block
+        through the ring (dK/dV: Q_i and dO_i; dQ: K_j and V_j)."""
+        mbarrier.expect(once_bar, 2 * once_a.block_type.nbytes)
+        _tma_load(once_a, [b, row0, h, 0], once_bar, once_a_smem)
+        _tma_load(once_b, [b, row0, h, 0], once_bar, once_b_smem)
+        for i in range(gl.cdiv(n_rows, BLOCK)):
             stage = i % STAGES
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)   # a fresh barrier passes phase 1
-            mbarrier.expect(ready.index(stage), 2 * q_desc.block_type.nbytes)
-            _tma_load(q_desc, [b, i * _HM, h, 0], ready.index(stage), q_smem.index(stage))
-            _tma_load(do_desc, [b, i * _HM, h, 0], ready.index(stage), do_smem.index(stage))
+            mbarrier.expect(ready.index(stage), 2 * ring_a.block_type.nbytes)
+            _tma_load(ring_a, [b, i * BLOCK, h, 0], ready.index(stage), ring_a_smem.index(stage))
+            _tma_load(ring_b, [b, i * BLOCK, h, 0], ready.index(stage), ring_b_smem.index(stage))
+
+    @gluon.jit
+    def _ring_barriers(STAGES: gl.constexpr):
+        """Both backward kernels' mbarriers, initialized: the once-loaded tiles'; ready / empty of
+        each ring slot (both consumers release a slot). Returns (once_bar, ready, empty)."""
+        once_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(once_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)   # both consumers release a slot
+        return once_bar, ready, empty
 
     @gluon.jit
     def gluon_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh,
@@ -235,13 +251,7 @@ if gluon is not None:
         pf_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HM, _HN], p_layout)
         ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HM, _HN], p_layout)
 
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)   # both consumers release a slot
+        kv_bar, ready, empty = _ring_barriers(STAGES)
 
         gl.warp_specialize([
             (_consumer, (q_smem, do_smem, k_smem, v_smem, pf_smem, ds_smem, kv_bar, ready, empty,
@@ -250,8 +260,8 @@ if gluon is not None:
             (_consumer, (q_smem, do_smem, k_smem, v_smem, pf_smem, ds_smem, kv_bar, ready, empty,
                          DK, DV, sdkb, sdks, sdkh, sdvb, sdvs, sdvh, LSE2 + row_base, M2 + row_base,
                          DELTA + row_base, b, h, n0, Sq, Skv, qk_scale, sm_scale, 1, D, STAGES, QUANT_P)),
-            (_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_bar, ready, empty,
-                       b, h, n0, Sq, STAGES)),
+            (_loader, (k_desc, v_desc, k_smem, v_smem, kv_bar, n0, q_desc, do_desc, q_smem, do_smem, ready, empty,
+                       b, h, Sq, _HM, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -325,21 +335,6 @@ if gluon is not None:
                  (acc * sm_scale).to(DQ.dtype.element_ty), mask=(offs_m < Sq)[:, None])
 
     @gluon.jit
-    def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, ready, empty,
-                   b, h, m0, Skv, STAGES: gl.constexpr):
-        """The dQ kernel's producer warp: Q and dO of the CTA's queries once, then K_j and V_j
-        through the ring."""
-        mbarrier.expect(qdo_bar, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, m0, h, 0], qdo_bar, q_smem)
-        _tma_load(do_desc, [b, m0, h, 0], qdo_bar, do_smem)
-        for j in range(gl.cdiv(Skv, _KB)):
-            stage = j % STAGES
-            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)   # a fresh barrier passes phase 1
-            mbarrier.expect(ready.index(stage), 2 * k_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, j * _KB, h, 0], ready.index(stage), k_smem.index(stage))
-            _tma_load(v_desc, [b, j * _KB, h, 0], ready.index(stage), v_smem.index(stage))
-
-    @gluon.jit
     def gluon_dq_kernel(q_desc, do_desc, k_desc, v_desc, DQ, sdqb, sdqs, sdqh, LSE2, DELTA,
                         H, Sq, Skv, qk_scale, sm_scale,
                         D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
@@ -359,21 +354,15 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * _HM, D], tile_layout)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _KB, D], tile_layout)
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _KB, D], tile_layout)
-        qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(qdo_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)   # both consumers release a slot
+        qdo_bar, ready, empty = _ring_barriers(STAGES)
 
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, qdo_bar, ready, empty, DQ, sdqb, sdqs, sdqh,
                             LSE2 + row_base, DELTA + row_base, b, h, m0, Sq, Skv, qk_scale, sm_scale, 0, D, STAGES)),
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, qdo_bar, ready, empty, DQ, sdqb, sdqs, sdqh,
                             LSE2 + row_base, DELTA + row_base, b, h, m0, Sq, Skv, qk_scale, sm_scale, 1, D, STAGES)),
-            (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, qdo_bar, ready, empty,
-                          b, h, m0, Skv, STAGES)),
+            (_loader, (q_desc, do_desc, q_smem, do_smem, qdo_bar, m0, k_desc, v_desc, k_smem, v_smem, ready, empty,
+                       b, h, Skv, _KB, STAGES)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 

@@ -308,6 +308,27 @@ if gluon is not None:
                   D, STAGES, CONSUMER_REGS, LOADER_REGS, _P_SAGE3, True)
 
     @gluon.jit
+    def _ring_barriers(STAGES: gl.constexpr):
+        """The forwards' mbarriers, initialized: Q's; ready / empty of each K and V ring slot (both
+        consumers release a slot); the ping-pong pair. Returns (q_bar, k_ready, k_empty, v_ready,
+        v_empty, turn)."""
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)   # both consumers release a slot
+            mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        return q_bar, k_ready, k_empty, v_ready, v_empty, turn
+
+    @gluon.jit
     def _attn_fwd(q_desc, k_desc, v_desc, b_desc, O, sob, sos, soh, H, Sq, Skv, qk_scale,
                   D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                   LOADER_REGS: gl.constexpr, P_MODE: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -346,20 +367,7 @@ if gluon is not None:
             b_smem = k_smem   # placeholders, never read
             ones = q_smem
 
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)   # both consumers release a slot
-            mbarrier.init(v_empty.index(i), count=2)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
+        q_bar, k_ready, k_empty, v_ready, v_empty, turn = _ring_barriers(STAGES)
 
         gl.warp_specialize([
             (_consumer, (q_smem, k_smem, v_smem, b_smem, ones, q_bar, k_ready, k_empty, v_ready, v_empty, turn,

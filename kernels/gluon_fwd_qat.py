@@ -68,6 +68,7 @@ if GLUON_IMPORT_ERROR is None:
 
     from .gluon_fwd import (
         _loader,
+        _ring_barriers,
         _softmax_tile,
         _thread_barrier,
         _turn_pass,
@@ -185,20 +186,7 @@ if GLUON_IMPORT_ERROR is None:
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], smem_layout)
         d_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BM // 2, _BN], gl.bfloat16)
         d_smem = gl.allocate_shared_memory(gl.bfloat16, [4, _BM // 2, _BN], d_layout)   # Δ, P̃ᶠ per consumer
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)   # both consumers release a slot
-            mbarrier.init(v_empty.index(i), count=2)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
+        q_bar, k_ready, k_empty, v_ready, v_empty, turn = _ring_barriers(STAGES)
         gl.warp_specialize([
             (_consumer_qat, (q_smem, k_smem, v_smem, d_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
                              O, O2, LSE2, M2, sob, sos, soh, b, h, bh, m0, Sq, Skv, qk_scale, 0, D, STAGES)),
