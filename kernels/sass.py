@@ -255,11 +255,11 @@ def compile_gluon_forward(arch: int = 90, *, shape: tuple[int, int, int, int] = 
     typed = {"q_desc": (desc_ty, False), "k_desc": (desc_ty, False), "v_desc": (desc_ty, False),
              "O": ("*bf16", True), "qk_scale": ("fp32", False)}
     if method == "attnqat":
-        from .gluon_fwd_qat import gluon_attnqat_fwd_kernel  # noqa: PLC0415
+        from .gluon_fwd_qat import gluon_attnqat_fwd_kernel as fn  # noqa: PLC0415
 
         typed |= {n: ("*fp32", True) for n in ("O2", "LSE2", "M2")}
-    fn = dict(nvfp4=G.gluon_attn_fwd_kernel, sage3=G.gluon_sage3_fwd_kernel,
-              attnqat=gluon_attnqat_fwd_kernel if method == "attnqat" else None)[method]
+    else:
+        fn = dict(nvfp4=G.gluon_attn_fwd_kernel, sage3=G.gluon_sage3_fwd_kernel)[method]
     if method == "sage3":
         typed["b_desc"] = (mangle_type(G.bias_descriptor(torch.empty(1, G.BIAS_PARTS, G.BLOCK_N,
                                                                      dtype=torch.bfloat16))), False)
@@ -343,14 +343,25 @@ def _compile_gluon(fn, arch: int, consts: dict, typed: dict, ints: dict, maxnreg
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4, maxnreg=maxnreg))
 
 
+def _gluon_bwd_types(D: int, q_rows: int, k_rows: int) -> dict:
+    """Argument types of the backward Gluon kernels' descriptors (Q/dO boxes of ``q_rows`` rows,
+    K/V of ``k_rows``) and scales, as Triton's JIT derives them from the launchers' host objects."""
+    import torch  # noqa: PLC0415
+    from triton.runtime.jit import mangle_type  # noqa: PLC0415
+
+    from .gluon_fwd import tma_descriptor  # noqa: PLC0415
+
+    t = torch.empty(1, max(q_rows, k_rows), 1, D, dtype=torch.bfloat16)
+    q_ty, k_ty = (mangle_type(tma_descriptor(t, rows)) for rows in (q_rows, k_rows))
+    return {"q_desc": (q_ty, False), "do_desc": (q_ty, False), "k_desc": (k_ty, False), "v_desc": (k_ty, False),
+            "qk_scale": ("fp32", False), "sm_scale": ("fp32", False)}
+
+
 def compile_gluon_dkdv(arch: int = 90, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
                        config: dict | None = None, quant_p: bool = True):
     """The Gluon dK/dV kernel (:func:`.gluon_bwd.gluon_dkdv_kernel`; ``quant_p``: attnqat, else
     dropin) compiled for ``sm_<arch>`` as :func:`.gluon_bwd.gluon_dkdv` compiles it for contiguous
     (B, S, H, D) = ``shape`` tensors. No GPU needed."""
-    import torch  # noqa: PLC0415
-    from triton.runtime.jit import mangle_type  # noqa: PLC0415
-
     from . import gluon_bwd as GB  # noqa: PLC0415
 
     _check_gluon()
@@ -358,13 +369,10 @@ def compile_gluon_dkdv(arch: int = 90, *, shape: tuple[int, int, int, int] = (1,
     cfg = dict(GB.CONFIG)
     cfg.update(config or {})
     _, S, H, D = shape
-    t = torch.empty(1, GB.KEYS_PER_CTA, 1, D, dtype=torch.bfloat16)
-    q_ty, k_ty = (mangle_type(GB.tma_descriptor(t, rows)) for rows in (GB.QUERY_BLOCK, GB.KEYS_PER_CTA))
     consts = dict(D=D, STAGES=cfg["STAGES"], QUANT_P=quant_p, CONSUMER_REGS=cfg["CONSUMER_REGS"],
                   LOADER_REGS=cfg["LOADER_REGS"])
     ints = dict(sdkb=S * H * D, sdks=H * D, sdkh=D, sdvb=S * H * D, sdvs=H * D, sdvh=D, H=H, Sq=S, Skv=S)
-    typed = {"q_desc": (q_ty, False), "do_desc": (q_ty, False), "k_desc": (k_ty, False), "v_desc": (k_ty, False),
-             "qk_scale": ("fp32", False), "sm_scale": ("fp32", False)}
+    typed = _gluon_bwd_types(D, GB.QUERY_BLOCK, GB.KEYS_PER_CTA)
     typed |= {n: ("*bf16", True) for n in ("DK", "DV")} | {n: ("*fp32", True) for n in ("LSE2", "M2", "DELTA")}
     return _compile_gluon(GB.gluon_dkdv_kernel, arch, consts, typed, ints, cfg["MAXNREG"])
 
@@ -373,9 +381,6 @@ def compile_gluon_dq(arch: int = 90, *, shape: tuple[int, int, int, int] = (1, 3
                      config: dict | None = None):
     """The Gluon dQ kernel (:func:`.gluon_bwd.gluon_dq_kernel`) compiled for ``sm_<arch>`` as
     :func:`.gluon_bwd.gluon_dq` compiles it for contiguous (B, S, H, D) = ``shape`` tensors."""
-    import torch  # noqa: PLC0415
-    from triton.runtime.jit import mangle_type  # noqa: PLC0415
-
     from . import gluon_bwd as GB  # noqa: PLC0415
 
     _check_gluon()
@@ -383,14 +388,24 @@ def compile_gluon_dq(arch: int = 90, *, shape: tuple[int, int, int, int] = (1, 3
     cfg = dict(GB.DQ_CONFIG)
     cfg.update(config or {})
     _, S, H, D = shape
-    t = torch.empty(1, GB.QUERIES_PER_CTA, 1, D, dtype=torch.bfloat16)
-    q_ty, k_ty = (mangle_type(GB.tma_descriptor(t, rows)) for rows in (GB.QUERIES_PER_CTA, GB.KEY_BLOCK))
     consts = dict(D=D, STAGES=cfg["STAGES"], CONSUMER_REGS=cfg["CONSUMER_REGS"], LOADER_REGS=cfg["LOADER_REGS"])
     ints = dict(sdqb=S * H * D, sdqs=H * D, sdqh=D, H=H, Sq=S, Skv=S)
-    typed = {"q_desc": (q_ty, False), "do_desc": (q_ty, False), "k_desc": (k_ty, False), "v_desc": (k_ty, False),
-             "qk_scale": ("fp32", False), "sm_scale": ("fp32", False), "DQ": ("*bf16", True),
-             "LSE2": ("*fp32", True), "DELTA": ("*fp32", True)}
+    typed = _gluon_bwd_types(D, GB.QUERIES_PER_CTA, GB.KEY_BLOCK)
+    typed |= {"DQ": ("*bf16", True), "LSE2": ("*fp32", True), "DELTA": ("*fp32", True)}
     return _compile_gluon(GB.gluon_dq_kernel, arch, consts, typed, ints, cfg["MAXNREG"])
+
+
+def _innermost_loops(ops, loops, hgmma: int) -> list[tuple[int, int]]:
+    """The backward kernels' consumer loops among :func:`_scan`'s backward-branch spans: those with
+    ``hgmma`` HGMMA and exponentials, the shortest disjoint ones (an mbarrier wait's out-of-line
+    retry jumps back across a loop and makes larger, overlapping spans), in program order."""
+    spans = [(a, e) for a, e in loops
+             if sum(o.startswith("HGMMA") for o in ops[a:e]) == hgmma and "MUFU.EX2" in ops[a:e]]
+    kept = []
+    for a, e in sorted(spans, key=lambda ae: ae[1] - ae[0]):
+        if all(e <= a2 or e2 <= a for a2, e2 in kept):
+            kept.append((a, e))
+    return sorted(kept)
 
 
 def gluon_dkdv_facts(kernel, head_dim: int) -> dict:
@@ -399,15 +414,11 @@ def gluon_dkdv_facts(kernel, head_dim: int) -> dict:
     exponentials) its length, HGMMA, wgmma waits (2 when ptxas kept the products asynchronous: S_i,
     then dP_i; a serialized loop waits after every HGMMA) and spill instructions; for the kernel,
     registers, spills and the ``setmaxnreg`` values."""
-    _, (ops, lines, _, loops), facts = _kernel_facts(kernel)
+    _, (ops, _, _, loops), facts = _kernel_facts(kernel)
     facts["query_loops"] = []
     per_block = 2 * (head_dim // 16) + 2 * (64 // 16)
-    for a, e in loops:
+    for a, e in _innermost_loops(ops, loops, per_block):
         body = ops[a:e]
-        if sum(o.startswith("HGMMA") for o in body) != per_block or "MUFU.EX2" not in body:
-            continue
-        if "@" not in lines[e - 1]:   # an mbarrier wait's out-of-line retry jumps back unconditionally
-            continue
         facts["query_loops"].append(dict(
             loop=len(body), hgmma=per_block, waits=sum(o.startswith("WARPGROUP.DEPBAR") for o in body),
             spill_instructions=sum(o.startswith(("LDL", "STL")) for o in body),
@@ -422,18 +433,10 @@ def gluon_dq_facts(kernel, head_dim: int) -> dict:
     exponentials) its length, HGMMA, wgmma waits and whether the wait for dP comes after the first
     exponential (the exponentials overlap dP), spill instructions; kernel-wide facts as
     :func:`gluon_dkdv_facts`."""
-    _, (ops, lines, _, loops), facts = _kernel_facts(kernel)
+    _, (ops, _, _, loops), facts = _kernel_facts(kernel)
     facts["key_loops"] = []
     per_block = 2 * (head_dim // 16) + 64 // 16
-    spans = [(a, e) for a, e in loops
-             if sum(o.startswith("HGMMA") for o in ops[a:e]) == per_block and "MUFU.EX2" in ops[a:e]]
-    # the shortest disjoint spans: an mbarrier wait's out-of-line retry jumps back across a loop and
-    # makes larger, overlapping ones
-    kept = []
-    for a, e in sorted(spans, key=lambda ae: ae[1] - ae[0]):
-        if all(e <= a2 or e2 <= a for a2, e2 in kept):
-            kept.append((a, e))
-    for a, e in sorted(kept):
+    for a, e in _innermost_loops(ops, loops, per_block):
         body = ops[a:e]
         waits = [i for i, o in enumerate(body) if o.startswith("WARPGROUP.DEPBAR")]
         first_ex2 = body.index("MUFU.EX2")
@@ -497,24 +500,19 @@ def print_gluon(report: dict) -> None:
                       f"waits ({lp['waits_after_first_ex2']} after the first exponential), "
                       f"{f['registers']} registers, {lp['spill_instructions']} spill instructions in the loop "
                       f"({f['spill_instructions']} in the kernel), setmaxnreg {f['setmaxnreg']}")
-        f = facts.get("dkdv", {})
-        if "error" in f:
-            print(f"gluon dK/dV D={D}: does not compile under triton {facts['triton']}: {f['error'][:200]}")
-            continue
-        for i, lp in enumerate(f.get("query_loops", [])):
-            print(f"gluon dK/dV D={D} consumer {i}: {lp['loop']} instructions per 64 x 64 block (Triton dK/dV "
-                  f"loop {f['triton_loop']} per 64 x 64 tile), {lp['hgmma']} HGMMA, {lp['waits']} waits, "
-                  f"{lp['spill_instructions']} spill instructions in the loop ({f['spill_instructions']} in the "
-                  f"kernel), {f['registers']} registers, setmaxnreg {f['setmaxnreg']}")
-        f = facts.get("dq", {})
-        if "error" in f:
-            print(f"gluon dQ D={D}: does not compile under triton {facts['triton']}: {f['error'][:200]}")
-            continue
-        for i, lp in enumerate(f.get("key_loops", [])):
-            print(f"gluon dQ D={D} consumer {i}: {lp['loop']} instructions per 64 x 64 block, {lp['hgmma']} HGMMA, "
-                  f"{lp['waits']} waits ({lp['waits_after_first_ex2']} after the first exponential), "
-                  f"{lp['spill_instructions']} spill instructions in the loop ({f['spill_instructions']} in the "
-                  f"kernel), {f['registers']} registers, setmaxnreg {f['setmaxnreg']}")
+        for name, key, loops, what in (("dK/dV", "dkdv", "query_loops", "per 64 x 64 block (Triton dK/dV loop {triton_loop} "
+                                        "per 64 x 64 tile)"),
+                                       ("dQ", "dq", "key_loops", "per 64 x 64 block")):
+            f = facts.get(key, {})
+            if "error" in f:
+                print(f"gluon {name} D={D}: does not compile under triton {facts['triton']}: {f['error'][:200]}")
+                continue
+            for i, lp in enumerate(f.get(loops, [])):
+                after = f" ({lp['waits_after_first_ex2']} after the first exponential)" if "waits_after_first_ex2" in lp else ""
+                print(f"gluon {name} D={D} consumer {i}: {lp['loop']} instructions {what.format(**f)}, "
+                      f"{lp['hgmma']} HGMMA, {lp['waits']} waits{after}, {lp['spill_instructions']} spill "
+                      f"instructions in the loop ({f['spill_instructions']} in the kernel), {f['registers']} "
+                      f"registers, setmaxnreg {f['setmaxnreg']}")
 
 
 __all__ = ["VARIANTS", "Sass", "compile_dkdv", "compile_forward", "dkdv_table", "compile_gluon_dkdv",
