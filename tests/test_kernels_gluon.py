@@ -110,6 +110,15 @@ def test_fewer_instructions_per_key_tile_than_the_triton_kernel(facts):
         assert lp["per_full_tile"] < f["triton_loop"]
 
 
+def _two_consumer_loops(report, D, key, loops, kernel):
+    """The compiled kernel's facts and its consumer loops (``loops``: the facts key), asserting that
+    it compiled for sm_90 and that each of the two consumer warpgroups has one loop."""
+    f = report[D][key]
+    assert "error" not in f, f"the Gluon {kernel} does not compile for sm_90: {f.get('error')}"
+    assert len(f[loops]) == 2, "one loop per consumer warpgroup"
+    return f, f[loops]
+
+
 @pytest.mark.parametrize("D", [128, 64])
 def test_dkdv_query_loops_keep_the_products_asynchronous(report, D):
     """The dK/dV kernel, one query loop per consumer warpgroup: per 64-query block S_i and dP_i
@@ -117,10 +126,7 @@ def test_dkdv_query_loops_keep_the_products_asynchronous(report, D):
     waits (S_i, then dP_i: a loop ptxas serialized waits after every HGMMA); few spill instructions
     in the loop at D = 128, where dK, dV, S and dP fill 192 of the 240 registers (1 and 5 per
     consumer with Triton 3.6's ptxas, 18 and 14 with 3.9's, of ~850 instructions), none at D = 64."""
-    f = report[D]["dkdv"]
-    assert "error" not in f, f"the Gluon dK/dV kernel does not compile for sm_90: {f.get('error')}"
-    loops = f["query_loops"]
-    assert len(loops) == 2, "one query loop per consumer warpgroup"
+    f, loops = _two_consumer_loops(report, D, "dkdv", "query_loops", "dK/dV kernel")
     for lp in loops:
         assert lp["hgmma"] == 2 * D // 16 + 8
         assert lp["waits"] == 2
@@ -135,10 +141,7 @@ def test_dq_key_loops_overlap_the_exponentials_with_dp(report, D):
     """The dQ kernel, one key loop per consumer warpgroup: per 64-key block S_j and dP_j (D/16
     k-steps each) and dQ (4 k-steps) as asynchronous wgmma with two waits, the one for dP after the
     first exponential (the exponentials overlap dP), no spills."""
-    f = report[D]["dq"]
-    assert "error" not in f, f"the Gluon dQ kernel does not compile for sm_90: {f.get('error')}"
-    loops = f["key_loops"]
-    assert len(loops) == 2, "one key loop per consumer warpgroup"
+    f, loops = _two_consumer_loops(report, D, "dq", "key_loops", "dQ kernel")
     for lp in loops:
         assert lp["hgmma"] == 2 * D // 16 + 4
         assert lp["waits"] == 2 and lp["waits_after_first_ex2"] == 1
@@ -155,10 +158,7 @@ def test_attnqat_forward_loops_wait_once_per_tile(report, D):
     the P quantizer's rounding present; few spill instructions in the loop (O, O' and S take 192 of
     the 240 registers at D = 128: 9 and 3 per consumer with Triton 3.6's ptxas, 30 and 27 with
     3.9's, of ~1,400 per tile; at D = 64 none and 2-3)."""
-    f = report[D]["attnqat"]
-    assert "error" not in f, f"the Gluon attnqat forward does not compile for sm_90: {f.get('error')}"
-    loops = f["consumer_loops"]
-    assert len(loops) == 2, "one key loop per consumer warpgroup"
+    f, loops = _two_consumer_loops(report, D, "attnqat", "consumer_loops", "attnqat forward")
     for lp in loops:
         assert lp["hgmma"] == D // 16 + 16
         assert lp["waits"] == 1
@@ -506,6 +506,13 @@ def _backward_operands(B, Sq, Skv, H, D, outliers, seed, method):
     return (q, k, v, o2, do, lse2, None)
 
 
+def _assert_bit_identical(names, got, want, where=""):
+    """Each of ``got`` finite and equal bit for bit to its counterpart in ``want``."""
+    for name, a, b in zip(names, got, want):
+        assert torch.isfinite(a.float()).all(), name
+        assert torch.equal(a, b), f"{name}: {(a != b).float().mean().item():.3%} differ{where}"
+
+
 BWD_SHAPES = [(1, 128, 128, 1, 128),      # one block of each
               (2, 150, 200, 2, 64),       # ragged query and key blocks, two batch elements
               (1, 1000, 300, 3, 128),     # a ragged second warpgroup (keys 256..299)
@@ -531,9 +538,7 @@ def test_dkdv_bit_identical_to_the_triton_kernel(method, shape, outliers):
     for stages in (2, 3):
         got = attention_backward(*ops, sm_scale=scale, quant_p=method == "attnqat", schedule="gluon",
                                  config=dict(gluon=dict(STAGES=stages)))
-        for name, a, b in zip(("dq", "dk", "dv"), got, want):
-            assert torch.isfinite(a.float()).all(), name
-            assert torch.equal(a, b), f"{name}: {(a != b).float().mean().item():.3%} differ (STAGES={stages})"
+        _assert_bit_identical(("dq", "dk", "dv"), got, want, f" (STAGES={stages})")
 
 
 @pytest.mark.gpu
@@ -600,8 +605,7 @@ def _qat_forwards(B, Sq, Skv, H, D, outliers, seed):
 def _assert_same_forward(got, want):
     for name, a, b in zip(("O", "O'", "LSE2", "m2"), got, want):
         assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.isfinite(a.float()).all(), name
-        assert torch.equal(a, b), f"{name}: {(a != b).float().mean().item():.3%} differ"
+    _assert_bit_identical(("O", "O'", "LSE2", "m2"), got, want)
 
 
 @pytest.mark.gpu
@@ -677,9 +681,7 @@ def test_dq_bit_identical_to_the_triton_kernel(method, shape, outliers):
     want = attention_backward(*ops, **kw, schedule="triton")
     for stages in (3, 4):
         got = attention_backward(*ops, **kw, schedule="gluon", config=dict(dkdv={}, gluon_dq=dict(STAGES=stages)))
-        for name, a, b in zip(("dq", "dk", "dv"), got, want):
-            assert torch.isfinite(a.float()).all(), name
-            assert torch.equal(a, b), f"{name}: {(a != b).float().mean().item():.3%} differ (STAGES={stages})"
+        _assert_bit_identical(("dq", "dk", "dv"), got, want, f" (STAGES={stages})")
 
 
 @pytest.mark.gpu
