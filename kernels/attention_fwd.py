@@ -78,33 +78,39 @@ def quantize_p_rows(p, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr):
         return p
     else:
         p3 = tl.reshape(p, [BM, BN // 16, 16])
-        if MODE == 1:
-            # NVFP4, single level: s = E4M3(amax/6), value = E2M1(P̃/s)·s. A zero scale (amax/6
-            # below 2^-10) has every P̃ < 6·2^-10: dividing by 2^-10 instead keeps the rounding
-            # finite and the product with s = 0 gives the all-zero block.
-            sc = e4m3_round(tl.max(p3, axis=2) * (1.0 / 6.0), False)
-            inv = fast_rcp(tl.maximum(sc, 0.0009765625))
-            q3 = e2m1_round_fast(p3 * inv[:, :, None]) * sc[:, :, None]
-        elif MODE == 2:
-            # SageAttention3 two-level: element P̃·2688 divided by the UNROUNDED amax·2688/6, i.e.
-            # 6·P̃/amax; dequantized with the rounded scale E4M3(amax·448). The level-1 factor
-            # 1/2688 is applied to the output instead (so that this product stays exact in bf16).
-            # The scale needs no saturation: P̃ ≤ 1 up to exp2's last-bit error, and every amax
-            # below 464/448 rounds to at most 448 unsaturated (E4M3's step is 32 there, the tie at
-            # 464 goes to 448's even mantissa), so clamping would change nothing and cost two
-            # instructions per block
-            amax = tl.max(p3, axis=2)
-            inv = 6.0 * fast_rcp(tl.maximum(amax, 1e-30))
-            sc = e4m3_round(amax * 448.0, False)
-            q3 = e2m1_round_fast(p3 * inv[:, :, None]) * sc[:, :, None]
-        elif MODE == 3:
+        if MODE == 3:
             # measurement only: the block maximum and scale without the element rounding
             sc = e4m3_round(tl.max(p3, axis=2) * (1.0 / 6.0), False)
             q3 = p3 * (sc * 6.0)[:, :, None]
-        else:
+        elif MODE == 4:
             # measurement only: the element rounding against a fixed scale, no block maximum
             q3 = e2m1_round_fast(p3 * 6.0) * (1.0 / 6.0)
+        else:
+            q3 = quantize_p_blocks(p3, tl.max(p3, axis=2), MODE)
         return tl.reshape(q3, [BM, BN])
+
+
+@triton.jit
+def quantize_p_blocks(p3, amax, MODE: tl.constexpr):
+    """:func:`quantize_p_rows`' modes 1 (nvfp4) and 2 (sage3) on P̃ as [rows, blocks, 16] with its
+    block maxima ``amax`` [rows, blocks] given (a caller that knows them another way passes them)."""
+    if MODE == 1:
+        # NVFP4, single level: s = E4M3(amax/6), value = E2M1(P̃/s)·s. A zero scale (amax/6
+        # below 2^-10) has every P̃ < 6·2^-10: dividing by 2^-10 instead keeps the rounding
+        # finite and the product with s = 0 gives the all-zero block.
+        sc = e4m3_round(amax * (1.0 / 6.0), False)
+        inv = fast_rcp(tl.maximum(sc, 0.0009765625))
+    else:
+        # SageAttention3 two-level: element P̃·2688 divided by the UNROUNDED amax·2688/6, i.e.
+        # 6·P̃/amax; dequantized with the rounded scale E4M3(amax·448). The level-1 factor
+        # 1/2688 is applied to the output instead (so that this product stays exact in bf16).
+        # The scale needs no saturation: P̃ ≤ 1 up to exp2's last-bit error, and every amax
+        # below 464/448 rounds to at most 448 unsaturated (E4M3's step is 32 there, the tie at
+        # 464 goes to 448's even mantissa), so clamping would change nothing and cost two
+        # instructions per block
+        inv = 6.0 * fast_rcp(tl.maximum(amax, 1e-30))
+        sc = e4m3_round(amax * 448.0, False)
+    return e2m1_round_fast(p3 * inv[:, :, None]) * sc[:, :, None]
 
 
 @triton.jit

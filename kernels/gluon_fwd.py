@@ -29,10 +29,11 @@ the Triton kernel on sm_90 (docs/kernels_notes.md, "Closing the gap to cuDNN"):
   back and forth, so that one warpgroup's softmax + quantizer overlaps the other one's MMAs.
 
 Arithmetic, operation for operation as in the Triton kernel (the P quantizer is the Triton kernel's
-own ``@triton.jit`` :func:`attention_fwd.quantize_p_rows` — Gluon compiles its body with its own
+own ``@triton.jit`` :func:`attention_fwd.quantize_p_blocks` — Gluon compiles its body with its own
 semantics, which is how ``gl.max``/``gl.sum`` themselves are defined — so the E4M3 scale, the
 reciprocal and the E2M1 rounding are the same operations in the same order, and the same rounding
-decisions):
+decisions; at head_dim 128 rowmax(s) and amax₁₆ are taken from S's 16-key block maxima, the same
+values, :func:`_softmax_tile`):
 
     s (fp32 wgmma, K-order as Triton's m64n128k16 chain; sage3: + 1·hi + 1·mid + 1·lo as a last
        k-step, where the Triton kernel adds the float32 row with an FADD);  tail keys ≥ Skv → −inf
@@ -62,7 +63,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_fwd import KV_TILE, P_NVFP4, P_SAGE3, quantize_p_rows
+from .attention_fwd import KV_TILE, P_NVFP4, P_SAGE3, quantize_p_blocks, quantize_p_rows
 from .quantize import INTERPRET
 
 try:  # Gluon is experimental: absent from older Triton builds
@@ -115,17 +116,35 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, start_n, Skv, qk_scale, s_layout: gl.constexpr,
-                      BM: gl.constexpr, BN: gl.constexpr, P_MODE: gl.constexpr):
+                      BM: gl.constexpr, BN: gl.constexpr, P_MODE: gl.constexpr, BLOCK_MAX_FIRST: gl.constexpr):
         """Online softmax of one key tile and the P quantizer of ``P_MODE`` (nvfp4, or sage3's
-        two-level one, 2688× too large); returns (m, l, α, P̃ᶠ fp32, P̃)."""
+        two-level one, 2688× too large); returns (m, l, α, P̃ᶠ fp32, P̃). ``BLOCK_MAX_FIRST``: reduce
+        S per 16-key block first (the same values; see below); the kernels set it at head_dim 128
+        only (an earlier arrangement of it gave wrong outputs at 64 on the H100, cause not found;
+        docs/kernels_notes.md "Block maxima of S first")."""
         if start_n + BN > Skv:  # the ragged last tile: keys beyond Skv masked out
             offs_n = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             s = gl.where((offs_n < Skv)[None, :], s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - m_new[:, None])
+        if BLOCK_MAX_FIRST:
+            # the maxima of S per 16-key block first: the row maximum is their maximum (the same
+            # value), and P̃'s block maxima are exp2(bmax·scale − m): FFMA and exp2 are monotone
+            # non-decreasing, so max_k exp2(s_k·scale − m) = exp2(max_k s_k·scale − m) bit for bit
+            # (ex2.approx.ftz checked over every float on the H100, docs/kernels_notes.md). Fewer
+            # instructions than two reductions of their own, and the quantizer's scales no longer
+            # wait for the last exponential.
+            bmax = gl.max(gl.reshape(s, [BM, BN // 16, 16]), 2)
+            m_new = gl.maximum(m_i, gl.convert_layout(gl.max(bmax, 1), m_i.type.layout) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            m_b = gl.convert_layout(m_new, gl.SliceLayout(1, bmax.type.layout))
+            amax = gl.exp2(bmax * qk_scale - m_b[:, None])
+            pq = gl.reshape(quantize_p_blocks(gl.reshape(p, [BM, BN // 16, 16]), amax, P_MODE), [BM, BN])
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+            pq = quantize_p_rows(p, BM, BN, P_MODE)
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
-        return m_new, l_i, alpha, quantize_p_rows(p, BM, BN, P_MODE), p
+        return m_new, l_i, alpha, pq, p
 
     @gluon.jit
     def _turn_wait(turn, WG: gl.constexpr, event):
@@ -181,7 +200,7 @@ if gluon is not None:
         _turn_pass(turn, WG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0), count=1)
-        m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, P_MODE)
+        m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, P_MODE, D == 128)
         p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)   # exact: ≤ 6 significant bits
         # Exactly one PV group is in flight at the top of every iteration (ptxas serializes all
         # wgmma otherwise): before the first, a zero product 0·V_0 stands in for PV_{-1}. (0·V_0 = 0
@@ -208,7 +227,8 @@ if gluon is not None:
             _turn_pass(turn, WG)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])                   # S_j
             mbarrier.arrive(k_empty.index(stage), count=1)
-            m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN, P_MODE)
+            m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN, P_MODE,
+                                                   D == 128)
             p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)
 
         # epilogue: the last P̃ᶠ V

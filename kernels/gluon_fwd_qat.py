@@ -108,7 +108,7 @@ if GLUON_IMPORT_ERROR is None:
         _turn_pass(turn, WG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0), count=1)
-        m_i, l_i, alpha, pq, p = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, _P_NVFP4)
+        m_i, l_i, alpha, pq, p = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, _P_NVFP4, D == 128)
         pq = gl.convert_layout(pq, s_layout)                        # the same map: no data movement
         pbuf.store(pq.to(gl.bfloat16))                              # exact: ≤ 6 significant bits
         dbuf.store((p - pq).to(gl.bfloat16))
@@ -135,7 +135,7 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.arrive(v_empty.index(pstage), count=1)
             mbarrier.arrive(k_empty.index(stage), count=1)
             m_i, l_i, alpha, pq, p = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN,
-                                                   _P_NVFP4)
+                                                   _P_NVFP4, D == 128)
             pq = gl.convert_layout(pq, s_layout)
             pbuf.store(pq.to(gl.bfloat16))
             dbuf.store((p - pq).to(gl.bfloat16))

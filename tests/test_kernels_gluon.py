@@ -169,6 +169,23 @@ def test_attnqat_forward_loops_wait_once_per_tile(report, D):
     assert G.CONFIG["CONSUMER_REGS"] in f["setmaxnreg"] and G.CONFIG["LOADER_REGS"] in f["setmaxnreg"]
 
 
+@pytest.mark.parametrize("method", ["nvfp4", "sage3", "attnqat"])
+def test_block_maxima_of_s_first_at_head_dim_128(report, method):
+    """At D = 128 the forwards take the row maximum and P̃'s 16-key block maxima from S's block
+    maxima (kernels/gluon_fwd.py ``_softmax_tile``): per tile and consumer, one more exponential per
+    row and block (2 rows × 8 blocks = 16 MUFU) and fewer maximum operations than the two separate
+    reductions the D = 64 build keeps (the softmax's arithmetic does not depend on D)."""
+    mufu, fmnmx = {}, {}
+    for D in (128, 64):
+        f = report[D] if method == "nvfp4" else report[D][method]
+        assert "error" not in f, f"the Gluon {method} forward does not compile for sm_90: {f.get('error')}"
+        mufu[D] = {lp["mix"]["MUFU"] for lp in f["consumer_loops"]}
+        fmnmx[D] = {lp["mix"]["FMNMX"] for lp in f["consumer_loops"]}
+        assert len(mufu[D]) == 1 and len(fmnmx[D]) == 1, "both consumers run the same softmax"
+    assert mufu[128].pop() == mufu[64].pop() + 16
+    assert fmnmx[128].pop() < fmnmx[64].pop()
+
+
 def test_attnqat_forward_schedule_choice_on_the_cpu():
     """Off Hopper the attnqat forward is the Triton kernel; an explicit "gluon" says why it cannot
     run; at head_dim 64 (where the Gluon kernel measured slower) the default is the Triton kernel."""
@@ -312,6 +329,36 @@ def _is_hopper() -> bool:
 
 
 needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90) GPU")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_exp2_is_monotone_over_every_float():
+    """What the forwards' block maxima rest on (kernels/gluon_fwd.py ``_softmax_tile``: P̃'s block
+    maximum taken as exp2 of S's): the exponential the kernels compile to (``ex2.approx.ftz.f32``)
+    never decreases from one float32 to the next, over every non-NaN float32 from −∞ to +∞."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decreasing_steps(out, TOTAL, NNEG, BLOCK: tl.constexpr):
+        # ordered index i → float bits: i < NNEG walks −∞ … −0, then +0 … +∞
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        ok = i + 1 < TOTAL
+        b0 = tl.where(i < NNEG, 0xFF800000 - i, i - NNEG)
+        b1 = tl.where(i + 1 < NNEG, 0xFF800000 - (i + 1), i + 1 - NNEG)
+        y0 = tl.exp2(b0.to(tl.uint32).to(tl.float32, bitcast=True))
+        y1 = tl.exp2(b1.to(tl.uint32).to(tl.float32, bitcast=True))
+        tl.atomic_add(out, tl.sum((ok & (y1 < y0)).to(tl.int64)))
+        tl.atomic_add(out + 1, tl.sum(ok.to(tl.int64)))
+
+    nneg = 0xFF800000 - 0x80000000 + 1          # −∞ … −0
+    total = 2 * nneg                               # and +0 … +∞
+    res = torch.zeros(2, dtype=torch.int64, device="cuda")
+    compiled = decreasing_steps[(triton.cdiv(total, 4096),)](res, total, nneg, BLOCK=4096)
+    assert "ex2.approx.ftz.f32" in compiled.asm["ptx"], "not the exponential the Gluon kernels use"
+    assert res[1].item() == total - 1, "every neighbouring pair checked"
+    assert res[0].item() == 0
 
 
 def _operands(B, Sq, Skv, H, D, outliers, seed, method="nvfp4"):
