@@ -67,6 +67,7 @@ from .gluon_fwd import (
     tma_unaddressable,
     warpgroup_mma,
     warpgroup_mma_wait,
+    wgmma_layout,
 )
 
 KEYS_PER_CTA = 128     # two consumer warpgroups of 64 keys
@@ -148,10 +149,8 @@ if gluon is not None:
                   b, h, n0, Sq, Skv, qk_scale, sm_scale,
                   WG: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, QUANT_P: gl.constexpr):
         """Consumer warpgroup WG: dK, dV of keys [n0 + 64·WG, n0 + 64·WG + 64)."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _HN, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, D, 16])
+        s_layout: gl.constexpr = wgmma_layout(_HN)
+        acc_layout: gl.constexpr = wgmma_layout(D)
         row: gl.constexpr = gl.SliceLayout(1, s_layout)
         k_w = k_smem.slice(WG * _HN, _HN)      # [64 keys, D]
         v_w = v_smem.slice(WG * _HN, _HN)
@@ -292,10 +291,8 @@ if gluon is not None:
         dP_j behind dQ_{j-1}; wait for S_j (which retires dQ_{j-1}: the ring slot of j-1 is free),
         the exponentials while dP_j runs, wait for dP_j, dS_j, issue dQ += dS_j K_j (dS a register
         operand) without waiting."""
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _KB, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, D, 16])
+        s_layout: gl.constexpr = wgmma_layout(_KB)
+        acc_layout: gl.constexpr = wgmma_layout(D)
         ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         row: gl.constexpr = gl.SliceLayout(1, s_layout)
         q = q_smem.slice(WG * _HM, _HM)        # [64 queries, D]

@@ -114,18 +114,24 @@ CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
 
 if gluon is not None:
 
+    @gluon.constexpr_function
+    def wgmma_layout(n):
+        """The accumulator layout of one warpgroup's m64·n·k16 wgmma (4 warps along the rows): every
+        [64, n] product tile of the Gluon kernels."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
     @gluon.jit
     def _softmax_tile(s, m_i, l_i, start_n, Skv, qk_scale, s_layout: gl.constexpr,
-                      BM: gl.constexpr, BN: gl.constexpr, P_MODE: gl.constexpr, BLOCK_MAX_FIRST: gl.constexpr):
+                      BM: gl.constexpr, BN: gl.constexpr, P_MODE: gl.constexpr, D: gl.constexpr):
         """Online softmax of one key tile and the P quantizer of ``P_MODE`` (nvfp4, or sage3's
-        two-level one, 2688× too large); returns (m, l, α, P̃ᶠ fp32, P̃). ``BLOCK_MAX_FIRST``: reduce
-        S per 16-key block first (the same values; see below); the kernels set it at head_dim 128
-        only (an earlier arrangement of it gave wrong outputs at 64 on the H100, cause not found;
+        two-level one, 2688× too large); returns (m, l, α, P̃ᶠ fp32, P̃). At head_dim ``D`` 128, S is
+        reduced per 16-key block first (the same values; see below); at 64 not (an earlier
+        arrangement of it gave wrong outputs there on the H100, cause not found;
         docs/kernels_notes.md "Block maxima of S first")."""
         if start_n + BN > Skv:  # the ragged last tile: keys beyond Skv masked out
             offs_n = start_n + gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
             s = gl.where((offs_n < Skv)[None, :], s, float("-inf"))
-        if BLOCK_MAX_FIRST:
+        if D == 128:
             # the maxima of S per 16-key block first: the row maximum is their maximum (the same
             # value), and P̃'s block maxima are exp2(bmax·scale − m): FFMA and exp2 are monotone
             # non-decreasing, so max_k exp2(s_k·scale − m) = exp2(max_k s_k·scale − m) bit for bit
@@ -179,10 +185,8 @@ if gluon is not None:
         correction tiles (HAS_BIAS), else a placeholder never read."""
         HM: gl.constexpr = _BM // 2
         BN: gl.constexpr = _BN
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])
+        s_layout: gl.constexpr = wgmma_layout(BN)
+        o_layout: gl.constexpr = wgmma_layout(D)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
@@ -200,7 +204,7 @@ if gluon is not None:
         _turn_pass(turn, WG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0), count=1)
-        m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, P_MODE, D == 128)
+        m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, P_MODE, D)
         p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)   # exact: ≤ 6 significant bits
         # Exactly one PV group is in flight at the top of every iteration (ptxas serializes all
         # wgmma otherwise): before the first, a zero product 0·V_0 stands in for PV_{-1}. (0·V_0 = 0
@@ -227,8 +231,7 @@ if gluon is not None:
             _turn_pass(turn, WG)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])                   # S_j
             mbarrier.arrive(k_empty.index(stage), count=1)
-            m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN, P_MODE,
-                                                   D == 128)
+            m_i, l_i, alpha, pq, _ = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN, P_MODE, D)
             p_next = gl.convert_layout(pq.to(gl.bfloat16), p_layout)
 
         # epilogue: the last P̃ᶠ V

@@ -73,6 +73,7 @@ if GLUON_IMPORT_ERROR is None:
         _thread_barrier,
         _turn_pass,
         _turn_wait,
+        wgmma_layout,
     )
 
     _P_NVFP4: gl.constexpr = gl.constexpr(P_NVFP4)
@@ -84,10 +85,8 @@ if GLUON_IMPORT_ERROR is None:
         """One consumer warpgroup: query rows [m0 + 64·WG, m0 + 64·WG + 64)."""
         HM: gl.constexpr = _BM // 2
         BN: gl.constexpr = _BN
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BN, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])
+        s_layout: gl.constexpr = wgmma_layout(BN)
+        o_layout: gl.constexpr = wgmma_layout(D)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
 
         m_i = gl.full([HM], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
@@ -108,7 +107,7 @@ if GLUON_IMPORT_ERROR is None:
         _turn_pass(turn, WG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         mbarrier.arrive(k_empty.index(0), count=1)
-        m_i, l_i, alpha, pq, p = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, _P_NVFP4, D == 128)
+        m_i, l_i, alpha, pq, p = _softmax_tile(s, m_i, l_i, 0, Skv, qk_scale, s_layout, HM, BN, _P_NVFP4, D)
         pq = gl.convert_layout(pq, s_layout)                        # the same map: no data movement
         pbuf.store(pq.to(gl.bfloat16))                              # exact: ≤ 6 significant bits
         dbuf.store((p - pq).to(gl.bfloat16))
@@ -135,7 +134,7 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.arrive(v_empty.index(pstage), count=1)
             mbarrier.arrive(k_empty.index(stage), count=1)
             m_i, l_i, alpha, pq, p = _softmax_tile(s, m_i, l_i, j * BN, Skv, qk_scale, s_layout, HM, BN,
-                                                   _P_NVFP4, D == 128)
+                                                   _P_NVFP4, D)
             pq = gl.convert_layout(pq, s_layout)
             pbuf.store(pq.to(gl.bfloat16))
             dbuf.store((p - pq).to(gl.bfloat16))
