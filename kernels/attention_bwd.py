@@ -24,6 +24,8 @@ dK/dV and dQ launches are :func:`.gluon_bwd.gluon_dkdv` and :func:`.gluon_bwd.gl
 
 from __future__ import annotations
 
+import contextlib
+
 import triton
 import triton.language as tl
 
@@ -259,6 +261,22 @@ BWD_CONFIGS = {
 }
 LONG_QUERIES = 32768  # above this the transposed dK/dV loop prefetches (num_stages=2)
 
+#: run the dQ kernel on a second CUDA stream, concurrently with the dK/dV kernel (both read only the
+#: forward's outputs and D): its CTAs fill the SMs that the dK/dV kernel's last, partial wave leaves
+#: idle. The arithmetic of each kernel is unchanged.
+OVERLAP_DQ = True
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device):
+    """The cached second stream of ``device`` for the dQ kernel."""
+    import torch  # noqa: PLC0415
+
+    key = torch.device(device).index
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
+
 
 def dkdv_config(D: int, Sq: int, quant_p: bool) -> dict:
     """The dK/dV kernel's default launch configuration (tiles, warps, stages, orientation)."""
@@ -323,6 +341,10 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
     dk = torch.empty(k.shape, device=q.device, dtype=q.dtype)
     dv = torch.empty(v.shape, device=q.device, dtype=q.dtype)
     qk_scale = sm_scale * 1.4426950408889634
+    main = side = None
+    if OVERLAP_DQ and q.is_cuda and not INTERPRET.value:
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(main)      # D and the allocations above; not the dK/dV kernel below
     if choose_dkdv_schedule(q, k, v, do, schedule, config) == "gluon":
         from .gluon_bwd import gluon_dkdv  # noqa: PLC0415
 
@@ -333,14 +355,20 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
             q, k, v, do, dk, dv, lse2, m2 if m2 is not None else lse2, delta,
             *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dk), *_s4(dv),
             H, Sq, Skv, qk_scale, sm_scale, D=D, QUANT_P=quant_p, **c1)
-    if choose_dkdv_schedule(q, k, v, do, schedule, config, "dq") == "gluon":
-        from .gluon_bwd import gluon_dq  # noqa: PLC0415
+    with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
+        if choose_dkdv_schedule(q, k, v, do, schedule, config, "dq") == "gluon":
+            from .gluon_bwd import gluon_dq  # noqa: PLC0415
 
-        gluon_dq(q, k, v, do, dq, lse2, delta, sm_scale=sm_scale, config=cfg["gluon_dq"])
-    else:
-        c2 = cfg["dq"]
-        _bwd_dq_kernel[(triton.cdiv(Sq, c2["BM"]), B * H)](
-            q, k, v, do, dq, lse2, delta,
-            *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dq),
-            H, Sq, Skv, qk_scale, sm_scale, D=D, **c2)
+            gluon_dq(q, k, v, do, dq, lse2, delta, sm_scale=sm_scale, config=cfg["gluon_dq"])
+        else:
+            c2 = cfg["dq"]
+            _bwd_dq_kernel[(triton.cdiv(Sq, c2["BM"]), B * H)](
+                q, k, v, do, dq, lse2, delta,
+                *_s4(q), *_s4(k), *_s4(v), *_s4(do), *_s4(dq),
+                H, Sq, Skv, qk_scale, sm_scale, D=D, **c2)
+    if side is not None:
+        # Everything the caller does next runs after dQ; the operands and dq were allocated on
+        # ``main`` and stay referenced until here, so the caching allocator cannot hand them out
+        # while the dQ kernel still reads or writes them.
+        main.wait_stream(side)
     return dq, dk, dv

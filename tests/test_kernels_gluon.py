@@ -603,6 +603,27 @@ def test_dkdv_wan_shape_bit_identical():
 
 @pytest.mark.gpu
 @needs_hopper
+def test_dq_on_a_second_stream_gives_the_serial_gradients(monkeypatch):
+    """With ``OVERLAP_DQ`` the dQ kernel runs on a second stream beside the dK/dV kernel: the
+    caller's stream waits for it (dq, copied on the caller's stream right after the call, is
+    complete) and dQ, dK, dV are those of the serial order bit for bit, three calls in a row."""
+    from attnqat.kernels import attention_bwd as Bw
+
+    ops = _backward_operands(1, 8192, 8192, 4, 128, True, seed=25, method="attnqat")
+    monkeypatch.setattr(Bw, "OVERLAP_DQ", False)
+    want = Bw.attention_backward(*ops, sm_scale=128 ** -0.5, quant_p=True)
+    monkeypatch.setattr(Bw, "OVERLAP_DQ", True)
+    used = []
+    real = Bw._side_stream
+    monkeypatch.setattr(Bw, "_side_stream", lambda device: used.append(device) or real(device))
+    for _ in range(3):
+        got = tuple(t.clone() for t in Bw.attention_backward(*ops, sm_scale=128 ** -0.5, quant_p=True))
+        _assert_bit_identical(("dq", "dk", "dv"), got, want)
+    assert len(used) == 3, "the dQ kernel did not run on the second stream"
+
+
+@pytest.mark.gpu
+@needs_hopper
 def test_training_backward_runs_the_gluon_dkdv_kernel(monkeypatch):
     """``attnqat.attention(..., "attnqat")`` (and dropin) with ``backend="auto"`` compute dK, dV with
     the Gluon kernel on Hopper for bf16 inputs and with the Triton kernel for float16, for a Triton
