@@ -325,7 +325,8 @@ def attention_backward(q, k, v, o, do, lse2, m2, *, sm_scale: float, quant_p: bo
     orientation; selects the Triton kernel), ``"gluon"`` (:data:`.gluon_bwd.CONFIG`), ``"dq"``
     (selects the Triton dQ kernel) and ``"gluon_dq"`` (:data:`.gluon_bwd.DQ_CONFIG`) launch
     configurations. ``schedule``: ``"gluon"`` | ``"triton"`` | None for the dK/dV and the dQ kernel
-    (:func:`choose_dkdv_schedule`).
+    (:func:`choose_dkdv_schedule`). On a GPU the dQ kernel runs on a second stream beside the dK/dV
+    kernel (:data:`OVERLAP_DQ`); the caller's stream waits for it before this returns.
     """
     import torch  # noqa: PLC0415
 
