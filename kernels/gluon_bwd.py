@@ -56,8 +56,9 @@ from .attention_fwd import quantize_p_rows
 from .gluon_fwd import (
     HEAD_DIMS,
     LOG2E,
-    _tma_load,
+    _batch_head,
     _thread_barrier,
+    _tma_load,
     fence_async_shared,
     gl,
     gluon,
@@ -236,8 +237,7 @@ if gluon is not None:
         float32, contiguous."""
         gl.static_assert(D == 64 or D == 128, "head_dim must be 64 or 128")
         bh = gl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b, h = _batch_head(bh, H)
         n0 = gl.program_id(0) * (2 * _HN)
         row_base = bh.to(gl.int64) * Sq
 
@@ -341,8 +341,7 @@ if gluon is not None:
         (B, Sq, H, D), head_dim stride 1. LSE2, DELTA: (B, H, Sq) float32, contiguous."""
         gl.static_assert(D == 64 or D == 128, "head_dim must be 64 or 128")
         bh = gl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b, h = _batch_head(bh, H)
         m0 = gl.program_id(0) * (2 * _HM)
         row_base = bh.to(gl.int64) * Sq
 

@@ -352,6 +352,22 @@ if gluon is not None:
         return q_bar, k_ready, k_empty, v_ready, v_empty, turn
 
     @gluon.jit
+    def _batch_head(bh, H):
+        """(batch, head) of the grid's axis-1 index ``bh`` = batch·H + head (every Gluon kernel's grid)."""
+        return bh // H, bh % H
+
+    @gluon.jit
+    def _qkv_smem(D: gl.constexpr, STAGES: gl.constexpr):
+        """The forwards' shared-memory tiles: Q (128 rows) and the K/V ring (STAGES slots of 128
+        keys), bf16 in the MMAs' swizzled layout (the TMA writes them through 4-D views of the same
+        bytes). Returns (q_smem, k_smem, v_smem)."""
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, D], gl.bfloat16)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [_BM, D], layout)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], layout)
+        return q_smem, k_smem, v_smem
+
+    @gluon.jit
     def _attn_fwd(q_desc, k_desc, v_desc, b_desc, O, sob, sos, soh, H, Sq, Skv, qk_scale,
                   D: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                   LOADER_REGS: gl.constexpr, P_MODE: gl.constexpr, HAS_BIAS: gl.constexpr):
@@ -360,18 +376,13 @@ if gluon is not None:
         gl.static_assert(D == 64 or D == 128, "head_dim must be 64 or 128")
         pid_m = gl.program_id(0)
         bh = gl.program_id(1)
-        b = bh // H
-        h = bh % H
+        b, h = _batch_head(bh, H)
         m0 = pid_m * _BM
         # sage3: the CTA's 128 queries are one smoothing block, whose correction is parts row
         # bh·⌈Sq/128⌉ + pid_m
         bias_row = bh * gl.num_programs(0) + pid_m
 
-        # 2-D buffers for the MMAs (the TMA writes them through 4-D views of the same bytes)
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, D], gl.bfloat16)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [_BM, D], smem_layout)
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], smem_layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], smem_layout)
+        q_smem, k_smem, v_smem = _qkv_smem(D, STAGES)
         if HAS_BIAS:
             b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BIAS_K, _BN], gl.bfloat16)
             b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BIAS_K, _BN], b_layout)

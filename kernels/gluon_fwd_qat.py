@@ -67,7 +67,9 @@ if GLUON_IMPORT_ERROR is None:
     )
 
     from .gluon_fwd import (
+        _batch_head,
         _loader,
+        _qkv_smem,
         _ring_barriers,
         _softmax_tile,
         _thread_barrier,
@@ -174,15 +176,10 @@ if GLUON_IMPORT_ERROR is None:
         :func:`.gluon_fwd.gluon_attn_fwd_kernel`'s; O (bf16) and O2 (float32): (B, Sq, H, D) with the
         same strides, head_dim stride 1; LSE2, M2: (B, H, Sq) float32."""
         gl.static_assert(D == 64 or D == 128, "head_dim must be 64 or 128")
-        pid_m = gl.program_id(0)
         bh = gl.program_id(1)
-        b = bh // H
-        h = bh % H
-        m0 = pid_m * _BM
-        smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BN, D], gl.bfloat16)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [_BM, D], smem_layout)
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], smem_layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _BN, D], smem_layout)
+        b, h = _batch_head(bh, H)
+        m0 = gl.program_id(0) * _BM
+        q_smem, k_smem, v_smem = _qkv_smem(D, STAGES)
         d_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BM // 2, _BN], gl.bfloat16)
         d_smem = gl.allocate_shared_memory(gl.bfloat16, [4, _BM // 2, _BN], d_layout)   # Δ, P̃ᶠ per consumer
         q_bar, k_ready, k_empty, v_ready, v_empty, turn = _ring_barriers(STAGES)

@@ -568,11 +568,17 @@ BWD_SHAPES = [(1, 128, 128, 1, 128),      # one block of each
               (1, 4096, 4096, 4, 64)]
 
 
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}q{}k{}h{}d{}".format(*s))
-@pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])
-@pytest.mark.parametrize("method", ["attnqat", "dropin"])
+def _backward_cases(test):
+    """A GPU (Hopper) test over BWD_SHAPES × randn / outlier-heavy inputs × attnqat / dropin."""
+    for mark in (pytest.mark.parametrize("method", ["attnqat", "dropin"]),
+                 pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"]),
+                 pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}q{}k{}h{}d{}".format(*s)),
+                 needs_hopper, pytest.mark.gpu):
+        test = mark(test)
+    return test
+
+
+@_backward_cases
 def test_dkdv_bit_identical_to_the_triton_kernel(method, shape, outliers):
     """The same P, Pᶠ and dS as the Triton kernel's untransposed tile (same accumulator layout, same
     quantizer) and the same tensor-core sums: dK and dV agree bit for bit (dQ: the same kernel),
@@ -731,11 +737,7 @@ def test_training_forward_runs_the_gluon_attnqat_kernel(monkeypatch):
 # GPU (Hopper): the dQ kernel
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-@needs_hopper
-@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}q{}k{}h{}d{}".format(*s))
-@pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])
-@pytest.mark.parametrize("method", ["attnqat", "dropin"])
+@_backward_cases
 def test_dq_bit_identical_to_the_triton_kernel(method, shape, outliers):
     """The Triton dQ kernel's P, dS and 64-key k-steps on the same accumulator layout: dQ agrees bit
     for bit, with 3- and 4-slot rings (dK/dV from the Triton kernel in both, so the launch is the
