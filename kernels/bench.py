@@ -25,20 +25,28 @@ WAN_SHAPES = {
     "wan1.3b-720p": dict(B=1, H=12, Sq=75600, Skv=75600, D=128),
     "wan-cross": dict(B=1, H=12, Sq=32760, Skv=512, D=128),
 }
-METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "nvfp4-triton", "sage3", "sage3-triton", "attnqat",
-           "attnqat-triton", "dropin")
-# ``nvfp4``, ``sage3`` and ``attnqat`` are what ``backend="auto"`` runs (the Gluon kernels on Hopper);
-# ``*-triton`` forces the Triton kernels, so one run shows what the Gluon schedules buy. ``published`` (with
-# ``--published-kernel DIR``) is the published Attn-QAT Triton training kernel, for scale.
+METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "nvfp4-triton", "nvfp4-gluon", "sage3", "sage3-triton",
+           "sage3-gluon", "attnqat", "attnqat-triton", "attnqat-gluon", "dropin", "dropin-triton", "dropin-gluon")
+# ``nvfp4``, ``sage3``, ``attnqat`` and ``dropin`` are what ``backend="auto"`` runs (the Gluon kernels on
+# Hopper where they measured faster); ``*-triton`` forces the Triton kernels and ``*-gluon`` the Gluon ones
+# (forward and backward), so one run shows what the Gluon schedules buy and whether auto's choice at a shape
+# is the faster one. ``published`` (with ``--published-kernel DIR``) is the published Attn-QAT Triton
+# training kernel, for scale.
+#: methods timed forward + backward too (``dropin`` only so: its forward is attnqat's without O')
+BACKWARD_METHODS = ("sdpa-cudnn", "sdpa-flash", "attnqat", "attnqat-triton", "attnqat-gluon", "dropin",
+                    "dropin-triton", "dropin-gluon", "published")
 DEFAULT_METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "sage3", "attnqat", "dropin")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shapes", nargs="+", default=list(WAN_SHAPES), choices=list(WAN_SHAPES),
                         help="shapes to time (B, H, Sq, Skv, D given in the JSON)")
+    parser.add_argument("--shape", action="append", default=[], type=parse_shape, metavar="NAME=B,H,SQ,SKV,D",
+                        help="a shape of your own, timed after --shapes (repeatable), e.g. d64=1,24,32760,32760,64")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS),
-                        help="methods to time; sdpa-* are PyTorch SDPA in BF16 with one backend; nvfp4 and "
-                             "sage3 are what backend='auto' runs (Gluon on Hopper), *-triton the Triton kernel")
+                        help="methods to time; sdpa-* are PyTorch SDPA in BF16 with one backend; nvfp4, "
+                             "sage3, attnqat, dropin are what backend='auto' runs, *-triton the Triton kernels, "
+                             "*-gluon the Gluon (Hopper) kernels")
     parser.add_argument("--published-kernel", default=None, metavar="DIR",
                         help="folder holding the published Attn-QAT kernel package (fastvideo_kernel); adds "
                              "its forward and forward+backward as method 'published', for scale")
@@ -79,6 +87,17 @@ def _peak_bytes(fn) -> int:
     fn()
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated() - base)
+
+
+def parse_shape(text: str) -> tuple[str, dict]:
+    """``NAME=B,H,SQ,SKV,D`` (``--shape``) → (NAME, {B, H, Sq, Skv, D})."""
+    name, sep, dims = text.partition("=")
+    parts = dims.split(",")
+    if not sep or not name or len(parts) != 5 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=B,H,SQ,SKV,D with five positive integers")
+    if name in WAN_SHAPES:
+        raise argparse.ArgumentTypeError(f"{name!r} is a built-in shape (--shapes); pick another name")
+    return name, dict(zip(("B", "H", "Sq", "Skv", "D"), (int(p) for p in parts)))
 
 
 def _inputs(B, H, Sq, Skv, D, dtype=torch.bfloat16, grad=False, seed=0):
@@ -141,10 +160,8 @@ def _method_fn(method: str, published: str | None = None):
         return _sdpa(method)
     if method == "published":
         return published_attention(published)
-    if method.endswith("-triton"):
-        return lambda q, k, v: kernels.triton_attention(q, k, v, method=method[:-len("-triton")],
-                                                        schedule="triton")
-    return lambda q, k, v: kernels.triton_attention(q, k, v, method=method)
+    base, _, schedule = method.partition("-")
+    return lambda q, k, v: kernels.triton_attention(q, k, v, method=base, schedule=schedule or None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -197,15 +214,16 @@ def time_method(method: str, shape: dict, backward: bool, rep_ms: float, publish
 
 def run_table(shapes, methods, backward: bool, rep_ms: float, published: str | None = None,
               profile: bool = False) -> list[dict]:
+    """One row per (shape, method, pass). ``shapes``: names of :data:`WAN_SHAPES` or (name, dims) pairs."""
     rows = []
     methods = list(methods) + (["published"] if published else [])
     for sname in shapes:
-        shape = WAN_SHAPES[sname]
+        sname, shape = sname if isinstance(sname, tuple) else (sname, WAN_SHAPES[sname])
         for method in methods:
             passes = [False]
-            if backward and method in ("sdpa-cudnn", "sdpa-flash", "attnqat", "attnqat-triton", "dropin", "published"):
+            if backward and method in BACKWARD_METHODS:
                 passes.append(True)
-            if method == "dropin":
+            if method.startswith("dropin"):
                 passes = [True] if backward else []
             for bw in passes:
                 row = dict(shape=sname, **shape, method=method)
@@ -465,7 +483,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result = dict(date=time.strftime("%Y-%m-%d"), command=" ".join(["attnqat"] + sys.argv[1:]),
                   versions=_versions(), flops="4*B*H*Sq*Skv*D forward; 3.5x for forward+backward",
-                  shapes={k: WAN_SHAPES[k] for k in args.shapes})
+                  shapes={**{k: WAN_SHAPES[k] for k in args.shapes}, **dict(args.shape)})
     print(f"# {result['versions']['gpu']}  torch {torch.__version__}  triton {result['versions']['triton']}", flush=True)
     if args.quantize_sweep:
         result["quantize_sweep"] = sweep_quantize_tiles(30.0)
@@ -481,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
         print("## backward variants (wan1.3b-480p)", flush=True)
         result["backward_variants"] = time_backward_variants(args.rep_ms)
     print("## methods", flush=True)
-    result["rows"] = run_table(args.shapes, args.methods, not args.no_backward, args.rep_ms, args.published_kernel,
+    result["rows"] = run_table(list(args.shapes) + list(args.shape), args.methods, not args.no_backward, args.rep_ms, args.published_kernel,
                                args.profile)
     if args.json:
         with open(args.json, "w") as fh:

@@ -98,3 +98,25 @@ def test_command_whose_module_is_absent_says_not_implemented(monkeypatch, capsys
     monkeypatch.setattr(cli, "COMMANDS", cli.COMMANDS + [fake])
     assert cli.main(["future"]) == 2
     assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_kernel_benchmark_method_names_pick_the_schedule(monkeypatch):
+    """``-triton`` / ``-gluon`` force a schedule, a bare name is what backend='auto' runs."""
+    from attnqat import kernels
+    from attnqat.kernels import bench
+    seen = []
+    monkeypatch.setattr(kernels, "triton_attention", lambda q, k, v, method, schedule=None: seen.append((method, schedule)))
+    for m in ("nvfp4", "nvfp4-triton", "sage3-gluon", "attnqat-gluon", "dropin-triton"):
+        bench._method_fn(m)(None, None, None)
+    assert seen == [("nvfp4", None), ("nvfp4", "triton"), ("sage3", "gluon"), ("attnqat", "gluon"), ("dropin", "triton")]
+    assert {m.partition("-")[0] for m in bench.METHODS if not m.startswith("sdpa")} == {"nvfp4", "sage3", "attnqat", "dropin"}
+
+
+def test_kernel_benchmark_takes_shapes_of_ones_own(capsys):
+    from attnqat.kernels import bench
+    assert bench.parse_shape("d64=1,24,32760,32760,64") == ("d64", dict(B=1, H=24, Sq=32760, Skv=32760, D=64))
+    for bad, message in [("d64=1,24,3", "five positive integers"), ("1,2,3,4,5", "five positive integers"),
+                         ("x=1,0,3,4,5", "five positive integers"), ("wan-cross=1,2,3,4,5", "built-in shape")]:
+        with pytest.raises(SystemExit):
+            cli.main(["bench", "kernels", "--shape", bad])
+        assert message in capsys.readouterr().err
