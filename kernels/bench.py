@@ -478,6 +478,10 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(dict(date=time.strftime("%Y-%m-%d"), triton=triton.__version__, rows=rows,
                                dkdv=dkdv, gluon=gluon), fh, indent=1)
         return 0
+    names = [name for name, _ in args.shape]
+    if len(set(names)) < len(names):
+        print(f"attnqat bench kernels: --shape names must differ, got {names}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("attnqat bench kernels: needs a CUDA GPU (none is visible)", file=sys.stderr)
         return 2
@@ -499,8 +503,8 @@ def run(args: argparse.Namespace) -> int:
         print("## backward variants (wan1.3b-480p)", flush=True)
         result["backward_variants"] = time_backward_variants(args.rep_ms)
     print("## methods", flush=True)
-    result["rows"] = run_table(list(args.shapes) + list(args.shape), args.methods, not args.no_backward, args.rep_ms, args.published_kernel,
-                               args.profile)
+    result["rows"] = run_table(list(args.shapes) + list(args.shape), args.methods, not args.no_backward, args.rep_ms,
+                               args.published_kernel, args.profile)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)

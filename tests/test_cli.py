@@ -120,3 +120,5 @@ def test_kernel_benchmark_takes_shapes_of_ones_own(capsys):
         with pytest.raises(SystemExit):
             cli.main(["bench", "kernels", "--shape", bad])
         assert message in capsys.readouterr().err
+    assert cli.main(["bench", "kernels", "--shape", "a=1,1,8,8,64", "--shape", "a=1,2,8,8,64"]) == 2
+    assert "--shape names must differ" in capsys.readouterr().err
