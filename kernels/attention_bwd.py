@@ -25,6 +25,7 @@ dK/dV and dQ launches are :func:`.gluon_bwd.gluon_dkdv` and :func:`.gluon_bwd.gl
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import triton
 import triton.language as tl
@@ -265,17 +266,15 @@ LONG_QUERIES = 32768  # above this the transposed dK/dV loop prefetches (num_sta
 #: forward's outputs and D): its CTAs fill the SMs that the dK/dV kernel's last, partial wave leaves
 #: idle. The arithmetic of each kernel is unchanged.
 OVERLAP_DQ = True
-_SIDE_STREAMS: dict = {}
 
 
+@functools.lru_cache(maxsize=None)
 def _side_stream(device):
-    """The cached second stream of ``device`` for the dQ kernel."""
+    """The second stream of ``device`` (a tensor's ``.device``: always indexed) for the dQ kernel,
+    made once."""
     import torch  # noqa: PLC0415
 
-    key = torch.device(device).index
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[key]
+    return torch.cuda.Stream(device=device)
 
 
 def dkdv_config(D: int, Sq: int, quant_p: bool) -> dict:
