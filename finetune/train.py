@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -46,6 +47,7 @@ STUDENT_METHODS = ("attnqat", "dropin", "bf16")
 #: the attention a student deploys at inference (validation clips, generate, the app)
 DEPLOYED = {"attnqat": "nvfp4", "dropin": "nvfp4", "bf16": "bf16"}
 EXIT_NONFINITE = 3
+EXIT_CRASH = 1
 
 #: Defaults that depend on the model: the published Attn-QAT recipe for the real Wan 2.1 models,
 #: the project's own for the embedded tiny model.
@@ -700,8 +702,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                      world=ctx.world, device=device_name(ctx.device), dropped_records=dropped,
                      checkpoint=str(resume_from) if resume_from else None)
     order = DataOrder(source.size, cfg.seed)
-    batches = loader(source, order, start=samples, batch=cfg.batch_size, rank=ctx.rank,
-                     world=ctx.world, accum=cfg.grad_accum, workers=cfg.workers)
+    batches = None
     validator = None
     lat_shape: tuple[int, ...] | None = None
 
@@ -724,6 +725,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     try:
+        batches = loader(source, order, start=samples, batch=cfg.batch_size, rank=ctx.rank,
+                         world=ctx.world, accum=cfg.grad_accum, workers=cfg.workers)
         while step < cfg.steps:
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=ctx.device)
@@ -799,6 +802,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                         f"saved; continue with --resume --out {run_dir}")
                 break
     finally:
+        if batches is not None:   # the workers end with the run, also when it crashed
+            batches.close()
         bar.close()
         stop.restore()
         if runlog is not None:
@@ -833,6 +838,17 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, DataError, ModelLoadError, FileNotFoundError) as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            print(f"{prog}: interrupted (second Ctrl-C); the last complete checkpoint is kept",
+                  file=sys.stderr)
+            return 128 + signal.SIGINT
+        except BrokenPipeError:
+            # the output was closed (e.g. `| head`): stop, and keep Python's exit from failing on
+            # the same pipe again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print(f"{prog}: the output was closed; the run stops (the last complete checkpoint "
+                  "is kept)", file=sys.stderr)
+            return EXIT_CRASH
     finally:
         distributed.shutdown()
 
