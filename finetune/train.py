@@ -609,6 +609,24 @@ def _peak_memory(dev: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def exit_status(exc: BaseException) -> int:
+    """The exit status of a run ended by ``exc``: 2 bad input (found late, e.g. an unreadable
+    clip), 130 a second Ctrl-C, :data:`EXIT_CRASH` anything else."""
+    from attnqat.wan import ModelLoadError
+
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if isinstance(exc, (ValueError, DataError, ModelLoadError, FileNotFoundError)):
+        return 2
+    return EXIT_CRASH
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line for logs: its type and the first line of its message."""
+    msg = str(exc).strip().splitlines()
+    return type(exc).__name__ + (f": {msg[0]}" if msg else "")
+
+
 class _Stop:
     """SIGTERM / SIGINT set a flag; the loop saves a checkpoint at the end of the step. A second
     SIGINT interrupts at once."""
@@ -721,7 +739,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     t_start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", file=sys.stderr,
                disable=not (cfg.progress and ctx.is_main), dynamic_ncols=True)
-    last_saved, status, loss = step, 0, float("nan")
+    last_saved, status, loss, error = step, 0, float("nan"), None
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     try:
@@ -801,6 +819,9 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                     say(f"time limit of {cfg.time_limit} min reached after step {step}; checkpoint "
                         f"saved; continue with --resume --out {run_dir}")
                 break
+    except BaseException as exc:
+        status, error = exit_status(exc), one_line(exc)
+        raise
     finally:
         if batches is not None:   # the workers end with the run, also when it crashed
             batches.close()
@@ -808,7 +829,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         stop.restore()
         if runlog is not None:
             runlog.write(step, "event", event="end", status=status, date=now(),
-                         seconds=round(time.perf_counter() - t_start, 1), last_checkpoint=last_saved)
+                         seconds=round(time.perf_counter() - t_start, 1), last_checkpoint=last_saved,
+                         **({"error": error} if status and error else {}))
             runlog.close()
     if status == 0 and step >= cfg.steps:
         say(f"done: {step} steps, final loss {loss:.4f}; checkpoints in {run_dir / ckpt.CHECKPOINTS}; "
@@ -837,18 +859,18 @@ def run(args: argparse.Namespace) -> int:
             return train(cfg, ctx)
         except (ValueError, DataError, ModelLoadError, FileNotFoundError) as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
-            return 2
-        except KeyboardInterrupt:
+            return exit_status(exc)
+        except KeyboardInterrupt as exc:
             print(f"{prog}: interrupted (second Ctrl-C); the last complete checkpoint is kept",
                   file=sys.stderr)
-            return 128 + signal.SIGINT
-        except BrokenPipeError:
+            return exit_status(exc)
+        except BrokenPipeError as exc:
             # the output was closed (e.g. `| head`): stop, and keep Python's exit from failing on
             # the same pipe again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             print(f"{prog}: the output was closed; the run stops (the last complete checkpoint "
                   "is kept)", file=sys.stderr)
-            return EXIT_CRASH
+            return exit_status(exc)
     finally:
         distributed.shutdown()
 

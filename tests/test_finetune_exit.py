@@ -109,6 +109,8 @@ def test_a_clip_that_cannot_be_read_ends_the_run_with_one_line(model, tmp_path):
     lines = run.stderr.strip().splitlines()
     assert "clip03.mp4" in lines[-1] and "not a readable video" in lines[-1]
     assert "Traceback" not in run.stderr and "worker" not in run.stderr
+    end = _end_record(tmp_path / "r")
+    assert end["event"] == "end" and end["status"] == 2 and "clip03.mp4" in end["error"]
 
 
 def test_a_disk_that_fills_while_checkpointing_ends_the_run(model, tmp_path):
@@ -122,11 +124,12 @@ def test_a_disk_that_fills_while_checkpointing_ends_the_run(model, tmp_path):
     run = Run(model, tmp_path / "full", "--steps", "20", "--batch-size", "1", "--checkpoint-every", "3",
               preexec=small_files)
     status, _ = run.end(BOUND + 120)
-    assert status != 0, run.stderr
+    assert status != 0 and _end_record(tmp_path / "full")["status"] == status, run.stderr
 
 
-def test_an_error_in_a_step_ends_the_run(model, tmp_path):
-    """Any exception escaping the loop (here one raised by the 3rd micro-step) ends the run."""
+def test_an_error_in_a_step_ends_the_run_and_the_logs_say_so(model, tmp_path):
+    """Any exception escaping the loop (here one raised by the 3rd micro-step) ends the run; the
+    log's and TensorBoard's `end` record its status."""
     out = tmp_path / "bug"
     driver = ("import sys\n"
               "from attnqat.finetune import train as T\n"
@@ -138,14 +141,22 @@ def test_an_error_in_a_step_ends_the_run(model, tmp_path):
               "    return step(self, *a)\n"
               "T.Trainer.micro_step = failing\n"
               "sys.exit(T.main(sys.argv[1:]))\n")
-    cmd = [sys.executable, "-c", driver, "--model", str(model), "--out", str(out), *FLAGS,
-           "--steps", "20", "--batch-size", "1"]
+    cmd = [sys.executable, "-c", driver, "--model", str(model), "--out", str(out), "--device", "cpu",
+           "--no-progress", "--steps", "20", "--batch-size", "1"]
     run = Run.__new__(Run)
     run.out = out
     run.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
                                 text=True, start_new_session=True)
     status, _ = run.end(BOUND + 120)
     assert status == 1 and "RuntimeError: a bug in the step" in run.stderr
+    end = _end_record(out)
+    assert end["event"] == "end" and end["status"] == 1 and end["step"] == 2
+    assert end["error"] == "RuntimeError: a bug in the step"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(out / "tb"))
+    tb.Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("event/status")] == [(2, 1.0)]
 
 
 def test_a_closed_output_pipe_ends_the_run(model, tmp_path):
@@ -157,7 +168,7 @@ def test_a_closed_output_pipe_ends_the_run(model, tmp_path):
     assert first.startswith("training")
     run.proc.stdout.close()
     status, _ = run.end(BOUND + 120)
-    assert status != 0, run.stderr
+    assert status == 1 == _end_record(tmp_path / "head")["status"], run.stderr
     assert "the output was closed" in run.stderr and "Traceback" not in run.stderr
 
 
@@ -173,6 +184,7 @@ def test_a_second_ctrl_c_ends_the_run_at_once(model, tmp_path):
     status, seconds = run.end(BOUND)
     assert status == 128 + signal.SIGINT, run.stderr
     assert "interrupted" in run.stderr and "Traceback" not in run.stderr
+    assert _end_record(tmp_path / "int")["status"] == 130
     assert not list((tmp_path / "int" / ckpt.CHECKPOINTS).glob("*.tmp")) if \
         (tmp_path / "int" / ckpt.CHECKPOINTS).is_dir() else True
 
