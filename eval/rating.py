@@ -212,9 +212,12 @@ def _balanced_sides(items: list[Item], counts: Mapping[int, tuple[int, int]], rn
     return {it.id: i < n_left for i, it in enumerate(order)}
 
 
-def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = None) -> bool:
+def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = None, *,
+          release_after_minutes: float | None = None) -> bool:
     """The rater read the instructions: fix their queue (idempotent). False if the study has no
-    items left for them."""
+    items left for them. Stale queues of other raters are released first, after
+    ``release_after_minutes`` of inactivity (None: the study's declared value; the server passes
+    its own, which ``attnqat eval serve --release-after`` may override)."""
     with _QUEUE_LOCK, Session.begin() as session:
         # Serializes queue creation across server processes on databases with row locks.
         session.execute(select(Study.id).where(Study.id == study_id).with_for_update())
@@ -224,7 +227,9 @@ def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = N
         rater.started_at = utcnow()
         study = session.get(Study, study_id)
         config = study.config
-        release_inactive(session, study_id, float(config.get("release_after_minutes", 0) or 0))
+        if release_after_minutes is None:
+            release_after_minutes = float(config.get("release_after_minutes", 0) or 0)
+        release_inactive(session, study_id, release_after_minutes)
         rng = random.Random(seed if seed is not None else secrets.randbits(64))
         items = list(session.scalars(select(Item).where(Item.study_id == study_id,
                                                         Item.excluded.is_(False))

@@ -244,7 +244,8 @@ def create_app(server: StudyServer) -> FastAPI:
 
     @app.post("/api/r/{token}/start")
     def start(token: str) -> dict:
-        rating.start(Session, study_id, token)
+        rating.start(Session, study_id, token,
+                     release_after_minutes=config.release_after_minutes)
         return state(token)
 
     @app.get("/api/r/{token}/current")

@@ -528,3 +528,32 @@ def test_killed_server_keeps_every_vote_and_raters_resume(runs, tmp_path):
         assert db_rows(study, "SELECT COUNT(*) - COUNT(DISTINCT assignment_id) FROM votes")[0][0] == 0
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------------------- serve options
+
+def test_serve_release_after_overrides_the_declared_value(runs, tmp_path):
+    """``attnqat eval serve --release-after`` is the value the server releases stale queues
+    with, not the one declared at build time (120 minutes here)."""
+    from datetime import timedelta
+
+    from fastapi.testclient import TestClient
+
+    from attnqat.eval import serve
+    from attnqat.eval.storage import utcnow
+
+    study = build(runs, tmp_path / "study", "--pairs", "attnqat:bf16", "--raters", "2",
+                  "--release-after", "120")
+    (_, idle), (_, busy) = invites(study)
+    server = serve.open_study(study, admin_password="pw", release_after=5)
+    with TestClient(serve.create_app(server)) as http:
+        assert http.post(f"/api/r/{idle}/start").status_code == 200
+        con = sqlite3.connect(study / "study.db")
+        stale = (utcnow() - timedelta(minutes=10)).isoformat(sep=" ")
+        con.execute("UPDATE raters SET last_seen_at = ? WHERE token = ?", (stale, idle))
+        con.commit()
+        con.close()
+        assert http.post(f"/api/r/{busy}/start").status_code == 200
+    released = db_rows(study, "SELECT a.release_reason FROM assignments a JOIN raters r ON "
+                              "r.id = a.rater_id WHERE r.token = ?", idle)
+    assert released and {r for (r,) in released} == {"inactive"}
