@@ -8,7 +8,7 @@ are case-insensitive; only ``overall`` is required):
 * ``visual_quality``, ``motion``, ``text_alignment``: the same, for the criteria (optional; empty
   cells are unanswered);
 * ``method_a``, ``method_b``: the pair (or give ``--pair A:B`` for every row);
-* ``prompt`` (and ``seed``): what the bootstrap and the per-prompt t-test group by. Without it,
+* ``prompt`` (and ``seed``): what the bootstrap and the clustered margin test group by. Without it,
   every vote counts as a prompt of its own — the design of a study with one vote per prompt,
   like the paper's 16 / 64 / 19 over 99 prompts;
 * ``rater``: who voted (agreement and the check rule need it; without it every vote is a rater

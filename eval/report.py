@@ -122,7 +122,8 @@ def _decision(mt: dict) -> str:
         f"> −{100 * mt['margin']:.0f} pp"
     if interval == NO_DATA:
         return f"{mt['verdict']}"
-    return f"{mt['verdict']}: {interval} vs {bound}, p = {_num(mt['p'], '.4f')}"
+    holm = "" if _missing(mt.get("p_holm")) else f", Holm p = {_num(mt['p_holm'], '.4f')}"
+    return f"{mt['verdict']}: {interval} vs {bound}, p = {_num(mt['p'], '.4f')}{holm}"
 
 
 def verdict_line(pair: str, summary: dict) -> str:
@@ -144,13 +145,16 @@ def report_blocks(analysis: dict) -> list[Block]:
     test = cfg.get("test", "equivalence")
     decide = 1 - 2 * cfg["alpha"]
     b: list[Block] = [Block("h1", f"Blind study: {analysis['study']}")]
-    claim = ("−δ < Δ < δ (TOST)" if test == "equivalence" else "Δ > −δ (one-sided)")
+    claim = ("−δ < Δ < δ (two one-sided tests)" if test == "equivalence"
+             else "Δ > −δ (one-sided)")
     b.append(Block("p", (
         f"Declared before the study: pairs {', '.join(f'{a} vs {b_}' for a, b_ in cfg['pairs'])}; "
         f"{cfg['ratings_per_item']} rating(s) per item; {test} test of {claim} on the net "
         f"preference Δ = win share − lose share, margin δ = {100 * cfg['equivalence_margin']:.0f} "
-        f"percentage points (pp), t-tests on per-prompt means at α = {cfg['alpha']}, decided by "
-        f"the {decide:.0%} interval; at least {cfg.get('min_prompts', 2)} prompts for a verdict; "
+        f"percentage points (pp), score tests for paired win/tie/lose data (Tango, with a "
+        f"continuity correction; variance inflated by the prompt-clustered design effect where "
+        f"raters share a prompt) at α = {cfg['alpha']}, decided by the {decide:.0%} score "
+        f"interval; at least {cfg.get('min_prompts', 2)} prompts for a verdict; "
         f"intervals {conf:.0%}, bootstrap {cfg['n_boot']} resamples of prompts (seed "
         f"{cfg['seed']}). Win/lose are from method A's view (A is the first method of each pair). "
         "Δ and all its intervals are in percentage points.")))
@@ -176,13 +180,19 @@ def report_blocks(analysis: dict) -> list[Block]:
                      _pct(r["check_accuracy"]), NO_DATA if view is None else f"{view:.1f} s",
                      "yes" if r.get("fast") else "no", excluded])
     b.append(Block("table", rows=rows))
+    mult = analysis.get("multiplicity")
+    if mult and mult["tests"]:
+        b.append(Block("p", (
+            f"Multiplicity: the study makes {mult['tests']} margin test(s) with a verdict ({mult['family']}). "
+            "Each verdict is at level α for its own comparison; the Holm-adjusted p (Holm p) "
+            "says which verdicts hold for the whole family at the same α.")))
     b.append(Block("h2", "Results (after exclusion)"))
     b.append(Block("img", "wtl.png"))
     for pair, data in analysis["pairs"].items():
         b.append(Block("h3", pair))
         rows = [["question", "votes", "prompts", "win", "tie", "lose", "decisive win rate",
                  "sign test p", "Δ", f"Δ prompt bootstrap {conf:.0%}",
-                 f"{test} ({decide:.0%} t interval of Δ)", "left share (decisive)", "position p",
+                 f"{test} ({decide:.0%} score interval of Δ)", "left share (decisive)", "position p",
                  "α (ordinal)"]]
         notes = []
         for q in QUESTIONS:
@@ -219,10 +229,10 @@ def report_blocks(analysis: dict) -> list[Block]:
                             f"tie / {before['lose']} lose."))
     b.append(Block("p", (
         "Reading the table: the sign test asks whether one method is preferred (ties dropped); a "
-        "large p is not evidence of equality. The margin test decides on the per-prompt mean Δ: "
-        f"'equivalent' means its {decide:.0%} t interval lies inside (−δ, δ) (both one-sided "
+        "large p is not evidence of equality. The margin test decides on Δ: "
+        f"'equivalent' means its {decide:.0%} score interval lies inside (−δ, δ) (both one-sided "
         "tests reject |Δ| ≥ δ); 'non-inferior' means its lower end is above −δ. 'Not enough "
-        "data' means too few prompts, or no spread between prompts, for any verdict. 'Both bad' "
+        "data' means too few prompts for any verdict. 'Both bad' "
         "answers count as ties. The position test checks that left and right were picked "
         "equally often among decisive votes.")))
     return b

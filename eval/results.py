@@ -236,6 +236,7 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
             "before_exclusion": {q: {o: sum(v.outcome(q) == o for v in sub_all if q in v.answers)
                                      for o in stats.OUTCOMES} for q in QUESTIONS},
         }
+    multiplicity = _holm_across(pairs, config.alpha)
     warnings = []
     if any(v.kind.startswith("check") for v in votes) or config.check_fraction > 0:
         w = _check_rule_warning(checks, config)
@@ -257,8 +258,26 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
         "raters": raters,
         "n_votes": {"all": len(votes), "main": len(main), "main_after_exclusion": len(kept)},
         "pairs": pairs,
+        "multiplicity": multiplicity,
         "warnings": warnings,
     }
+
+
+def _holm_across(pairs: dict, alpha: float) -> dict:
+    """Holm's adjustment over every margin test of the study (pairs × questions): each test
+    gets ``p_holm`` and ``passed_holm`` (the verdict that holds for the whole family at
+    ``alpha``); returns how many tests the family has."""
+    tests = [s["margin_test"] for data in pairs.values() for s in data["questions"].values()]
+    counted = [mt for mt in tests if mt["passed"] is not None]
+    adjusted = stats.holm([mt["p"] for mt in counted])
+    for mt, p in zip(counted, adjusted):
+        mt["p_holm"] = p
+        mt["passed_holm"] = bool(p < alpha)
+    for mt in tests:
+        mt.setdefault("p_holm", math.nan)
+        mt.setdefault("passed_holm", None)
+    return {"method": "Holm", "tests": len(counted), "alpha": alpha,
+            "family": f"{len(pairs)} pair(s) × {len(QUESTIONS)} questions"}
 
 
 def progress_tables(session: Session, study_id: int, config: StudyConfig
