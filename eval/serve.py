@@ -36,7 +36,10 @@ Admin (HTTP basic auth, any user name, the admin password): ``GET /admin`` (page
 ``GET /admin/api/export/votes.csv`` | ``votes.json`` | ``results.json`` (downloads),
 ``POST /admin/api/invites`` ``{"count": n}`` (1 … 500), ``POST /admin/api/raters/LABEL/release``,
 ``…/revoke``, ``…/exclude`` ``{"excluded": bool, "reason"}``,
-``POST /admin/api/items/ID/exclude`` ``{"excluded": bool, "reason"}``.
+``POST /admin/api/items/ID/exclude`` ``{"excluded": bool, "reason"}``. Every admin POST must
+come from this origin (``Origin``/``Referer``/``Sec-Fetch-Site``), carry the CSRF token of
+``GET /admin/api/csrf`` (also in the admin page) in ``X-CSRF-Token`` and, with a body, be JSON
+(403 / 415 otherwise); ``excluded`` is required (an empty body is 422, never an exclusion).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ import os
 import re
 import secrets
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 from importlib import resources
 from pathlib import Path
 
@@ -110,8 +114,12 @@ class InvitesIn(BaseModel):
 
 
 class ExcludeIn(BaseModel):
-    excluded: bool = True
+    excluded: bool  # required: an empty or partial body must never exclude
     reason: str | None = Field(default=None, max_length=rating.MAX_COMMENT)
+
+
+#: The header that carries the admin page's CSRF token on every state-changing admin request.
+CSRF_HEADER = "X-CSRF-Token"
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -136,6 +144,9 @@ class StudyServer:
     media_dir: Path
     admin_password: str
     load_timeout: float = DEFAULT_LOAD_TIMEOUT
+    #: Sent with the admin page; every state-changing admin request must echo it in
+    #: :data:`CSRF_HEADER` (a form or a simple request from another origin cannot set a header).
+    csrf_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
 
 
 def open_study(study_dir: str | Path, db_url: str | None = None, name: str | None = None,
@@ -207,6 +218,29 @@ def create_app(server: StudyServer) -> FastAPI:
     def admin(credentials: HTTPBasicCredentials = Depends(BASIC_AUTH)) -> None:  # noqa: B008
         if not secrets.compare_digest(credentials.password.encode(), server.admin_password.encode()):
             raise HTTPException(401, "wrong password", headers={"WWW-Authenticate": "Basic"})
+
+    def admin_write(request: Request, _auth: None = Depends(admin)) -> None:  # noqa: B008
+        """A state-changing admin request: from this origin, carrying the CSRF token, with a
+        JSON body (if any). The browser sends the organiser's basic-auth password with any
+        request to this server, a form on another site's page included; these checks refuse
+        what such a page can send."""
+        host = request.headers.get("host", "")
+        if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+            raise HTTPException(403, "cross-origin request refused")
+        for header in ("origin", "referer"):
+            value = request.headers.get(header)
+            if value and value != "null" and urlsplit(value).netloc != host:
+                raise HTTPException(403, "cross-origin request refused")
+            if value == "null":
+                raise HTTPException(403, "cross-origin request refused")
+        token = request.headers.get(CSRF_HEADER, "")
+        if not secrets.compare_digest(token.encode(), server.csrf_token.encode()):
+            raise HTTPException(403, f"missing or wrong CSRF token (the {CSRF_HEADER} header; "
+                                     "GET /admin/api/csrf gives it)")
+        length = request.headers.get("content-length")
+        if length not in (None, "0") and not request.headers.get("content-type", "").startswith(
+                "application/json"):
+            raise HTTPException(415, "the body must be JSON (Content-Type: application/json)")
 
     # --- pages -------------------------------------------------------------------------------
     @app.get("/", response_class=HTMLResponse)
@@ -306,7 +340,11 @@ def create_app(server: StudyServer) -> FastAPI:
     # --- admin -------------------------------------------------------------------------------
     @app.get("/admin", response_class=HTMLResponse, dependencies=[Depends(admin)])
     def admin_page() -> HTMLResponse:
-        return HTMLResponse(pages["admin.html"])
+        return HTMLResponse(pages["admin.html"].replace("{{CSRF_TOKEN}}", server.csrf_token))
+
+    @app.get("/admin/api/csrf", dependencies=[Depends(admin)])
+    def admin_csrf() -> dict:
+        return {"header": CSRF_HEADER, "token": server.csrf_token}
 
     # The analysis needs scipy; imported on first use so the rater app starts faster.
     @app.get("/admin/api/progress", dependencies=[Depends(admin)])
@@ -355,14 +393,14 @@ def create_app(server: StudyServer) -> FastAPI:
         return Response(body, media_type=kind, headers={
             "Content-Disposition": f'attachment; filename="{name}"'})
 
-    @app.post("/admin/api/invites", dependencies=[Depends(admin)])
+    @app.post("/admin/api/invites", dependencies=[Depends(admin_write)])
     def admin_invites(body: InvitesIn) -> dict:
         invites = rating.add_raters(Session, study_id, body.count)
         write_invites(server.study_dir, invites)
         return {"invites": [{"label": label, "token": token, "link": f"/r/{token}"}
                             for label, token in invites]}
 
-    @app.post("/admin/api/raters/{label}/{action}", dependencies=[Depends(admin)])
+    @app.post("/admin/api/raters/{label}/{action}", dependencies=[Depends(admin_write)])
     def admin_rater(label: str, action: str, body: ExcludeIn | None = None) -> dict:
         with Session.begin() as session:
             rater = rating.find_rater(session, study_id, label)
@@ -371,7 +409,9 @@ def create_app(server: StudyServer) -> FastAPI:
             elif action == "revoke":
                 released = rating.revoke_rater(session, rater)
             elif action == "exclude":
-                body = body or ExcludeIn()
+                if body is None:
+                    raise HTTPException(422, 'excluded: a JSON body {"excluded": true|false, '
+                                             '"reason": …} is required')
                 rating.set_rater_excluded(rater, body.excluded, body.reason)
                 released = 0
             else:
@@ -379,9 +419,8 @@ def create_app(server: StudyServer) -> FastAPI:
             return {"ok": True, "rater": label, "released": released,
                     "revoked": rater.revoked_at is not None, "excluded": rater.excluded}
 
-    @app.post("/admin/api/items/{item_id}/exclude", dependencies=[Depends(admin)])
-    def admin_item(item_id: int, body: ExcludeIn | None = None) -> dict:
-        body = body or ExcludeIn()
+    @app.post("/admin/api/items/{item_id}/exclude", dependencies=[Depends(admin_write)])
+    def admin_item(item_id: int, body: ExcludeIn) -> dict:
         with Session.begin() as session:
             item = rating.find_item(session, study_id, item_id)
             released = rating.set_item_excluded(session, item, body.excluded, body.reason)

@@ -87,7 +87,11 @@ def db_rows(study: Path, sql: str, *params) -> list[tuple]:
 
 
 def admin_client(server: LocalServer) -> httpx.Client:
-    return httpx.Client(base_url=server.url, auth=("admin", server.admin_password), timeout=TIMEOUT)
+    """The organiser's API client: the password, and the CSRF token every POST must carry."""
+    auth = ("admin", server.admin_password)
+    csrf = httpx.get(f"{server.url}/admin/api/csrf", auth=auth, timeout=TIMEOUT).raise_for_status().json()
+    return httpx.Client(base_url=server.url, auth=auth, timeout=TIMEOUT,
+                        headers={csrf["header"]: csrf["token"]})
 
 
 # ------------------------------------------------------------------------------- end to end
@@ -236,11 +240,54 @@ def test_admin_needs_the_password(served):
         assert {r["label"] for r in progress["raters"]} >= {"rater-001", "rater-002", "rater-003"}
         assert {i["kind"] for i in progress["items"]} >= {"main", "practice", "check_identical"}
         assert http.post("/admin/api/invites", json={"count": 2}).status_code == 401
-        new = http.post("/admin/api/invites", json={"count": 2},
-                        auth=("x", server.admin_password)).json()["invites"]
+        csrf = http.get("/admin/api/csrf", auth=("x", server.admin_password)).json()
+        new = http.post("/admin/api/invites", json={"count": 2}, auth=("x", server.admin_password),
+                        headers={csrf["header"]: csrf["token"]}).json()["invites"]
         assert len(new) == 2
         assert http.get(new[0]["link"]).status_code == 200  # a new invite works at once
     assert {t for _, t in invites(study)} >= {i["token"] for i in new}
+
+
+def test_admin_actions_need_this_origin_the_csrf_token_and_a_json_body(served):
+    """The organiser's browser sends the basic-auth password with any request to the server,
+    a form on another site included: the password alone changes nothing."""
+    study, server = served
+    with admin_client(server) as admin:
+        (new,) = admin.post("/admin/api/invites", json={"count": 1}).json()["invites"]
+        label = new["label"]
+        token = admin.headers["X-CSRF-Token"]
+    password = ("admin", server.admin_password)
+    with httpx.Client(base_url=server.url, auth=password, timeout=TIMEOUT) as http:
+        # No token (what a cross-site form sends): refused, nothing revoked or excluded.
+        for action in ("revoke", "release", "exclude"):
+            r = http.post(f"/admin/api/raters/{label}/{action}")
+            assert r.status_code == 403 and "CSRF" in r.json()["error"], r.text
+        r = http.post("/admin/api/invites", json={"count": 1})
+        assert r.status_code == 403
+        # The token, but from another origin: refused.
+        for headers in ({"Origin": "http://127.0.0.1:1"}, {"Origin": "null"},
+                        {"Sec-Fetch-Site": "cross-site"}, {"Referer": "http://evil.example/x"}):
+            r = http.post(f"/admin/api/raters/{label}/revoke",
+                          headers={"X-CSRF-Token": token, **headers})
+            assert r.status_code == 403 and "cross-origin" in r.json()["error"], headers
+        # The token and this origin, but an empty or non-JSON body: nobody is excluded.
+        same = {"X-CSRF-Token": token, "Origin": server.url}
+        r = http.post(f"/admin/api/raters/{label}/exclude", headers=same)
+        assert r.status_code == 422 and "excluded" in r.json()["error"]
+        r = http.post(f"/admin/api/raters/{label}/exclude", headers=same, json={})
+        assert r.status_code == 422 and "excluded" in r.json()["error"]
+        r = http.post(f"/admin/api/raters/{label}/exclude", content=b"excluded=true",
+                      headers={**same, "Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 415
+        r = http.post("/admin/api/items/1/exclude", headers=same)
+        assert r.status_code == 422
+    assert db_rows(study, "SELECT excluded, revoked_at FROM raters WHERE label = ?", label) == [
+        (0, None)]
+    assert db_rows(study, "SELECT excluded FROM items WHERE id = 1") == [(0,)]
+    with admin_client(server) as admin:  # the organiser's own page and API still work
+        r = admin.post(f"/admin/api/raters/{label}/exclude", headers={"Origin": server.url},
+                       json={"excluded": True, "reason": "test"})
+        assert r.status_code == 200 and r.json()["excluded"] is True
 
 
 def test_errors_are_json_with_an_error_key_and_one_invite_limit(served):

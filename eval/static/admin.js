@@ -12,9 +12,17 @@
 
   function get(path) { return fetch(path, { cache: "no-store" }).then(readJson); }
 
+  // Every state-changing request carries the page's CSRF token (a page on another origin
+  // cannot read it, and a plain form cannot set a header).
+  var csrf = document.querySelector('meta[name="csrf-token"]').content;
+
   function post(path, body) {
-    return fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
-                         body: JSON.stringify(body || {}) }).then(readJson);
+    var options = { method: "POST", headers: { "X-CSRF-Token": csrf } };
+    if (body !== undefined) {
+      options.headers["Content-Type"] = "application/json";
+      options.body = JSON.stringify(body);
+    }
+    return fetch(path, options).then(readJson);
   }
 
   function cell(row, content) {
