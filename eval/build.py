@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-checks", type=int, default=1,
                         help="exclusion rule: only raters with at least this many answered check "
                              "items can be excluded")
+    parser.add_argument("--required-checks", type=int, default=2,
+                        help="exclusion rule: raters who answered fewer check items than this are "
+                             "excluded (a reported check counts as a wrong answer); each rater's "
+                             "queue holds at least this many checks")
     parser.add_argument("--n-boot", type=int, default=2000,
                         help="bootstrap resamples (of prompts) for the report's intervals")
     parser.add_argument("--seed", type=int, default=0,
@@ -141,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
             check_fraction=args.check_fraction, practice_items=args.practice,
             equivalence_margin=args.equivalence_margin, test=args.test, alpha=args.alpha,
             min_prompts=args.min_prompts, min_check_accuracy=args.min_check_accuracy,
-            min_checks=args.min_checks, n_boot=args.n_boot, seed=args.seed,
+            min_checks=args.min_checks, required_checks=args.required_checks,
+            n_boot=args.n_boot, seed=args.seed,
             release_after_minutes=args.release_after, min_view_factor=args.min_view,
             fast_vote_margin=args.fast_vote_margin)
         if args.raters < 0:

@@ -246,7 +246,8 @@ def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = N
         n_checks_all = len(identical) + len(degraded)
         checks: list[Item] = []
         if n_checks_all:
-            n = max(1, round(len(chosen) * n_checks_all / max(1, len(main_all))))
+            n = max(1, int(config.get("required_checks", 0) or 0),
+                    round(len(chosen) * n_checks_all / max(1, len(main_all))))
             pools = [identical, degraded] if rng.random() < 0.5 else [degraded, identical]
             while len(checks) < min(n, n_checks_all):
                 for pool in pools:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import plots
-from .results import QUESTIONS, VoteRecord, analyze, json_safe, load_votes
+from .results import QUESTIONS, VoteRecord, analyze, json_safe, load_reports, load_votes
 from .storage import default_db_url, find_study, open_db
 from .study import StudyConfig
 
@@ -173,7 +173,8 @@ def report_blocks(analysis: dict) -> list[Block]:
     rows = [["rater", "main votes", "check items", "check accuracy", "median view time",
              "fast voter", "excluded"]]
     for name, r in sorted(analysis["raters"].items()):
-        excluded = "yes (checks)" if r["excluded"] else \
+        excluded = "yes (too few checks)" if r.get("too_few_checks") else \
+            "yes (checks)" if r["excluded"] else \
             "yes (organiser)" if r.get("excluded_by_organiser") else "no"
         view = r.get("median_view_seconds")
         rows.append([name, str(r["main_votes"]), f"{r['checks_correct']}/{r['checks_answered']}",
@@ -291,9 +292,10 @@ def load_analysis(db_url: str, name: str | None = None, n_boot: int | None = Non
             if n_boot is not None:
                 config.n_boot = n_boot
             votes = load_votes(session, study.id)
+            reports = load_reports(session, study.id)
     finally:
         engine.dispose()
-    return analyze(votes, config), votes
+    return analyze(votes, config, reports), votes
 
 
 def print_summary(analysis: dict) -> None:

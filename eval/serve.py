@@ -356,11 +356,12 @@ def create_app(server: StudyServer) -> FastAPI:
                     **progress_tables(session, study_id, config)}
 
     def analysis() -> dict:
-        from .results import analyze, json_safe, load_votes
+        from .results import analyze, json_safe, load_reports, load_votes
 
         with Session() as session:
             votes = load_votes(session, study_id)
-        return json_safe(analyze(votes, config))
+            reports = load_reports(session, study_id)
+        return json_safe(analyze(votes, config, reports))
 
     @app.get("/admin/api/results", dependencies=[Depends(admin)])
     def admin_results() -> dict:

@@ -66,6 +66,10 @@ class StudyConfig:
     #: answered check items and an accuracy below ``min_check_accuracy`` is excluded.
     min_check_accuracy: float = 0.7
     min_checks: int = 1
+    #: In a study with check items, a rater who answered fewer check items than this is
+    #: excluded too (a reported check counts as answered, and failed); every rater's queue
+    #: holds at least this many checks when the study has them.
+    required_checks: int = 2
     n_boot: int = 2000
     seed: int = 0
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA))
@@ -106,6 +110,8 @@ class StudyConfig:
             raise InputError("--min-check-accuracy must be in [0, 1]")
         if self.min_checks < 1:
             raise InputError("--min-checks must be at least 1")
+        if self.required_checks < 0:
+            raise InputError("--required-checks must be 0 or positive")
         if self.n_boot < 0:
             raise InputError("--n-boot must be 0 or positive")
         if self.release_after_minutes < 0:

@@ -167,3 +167,48 @@ def test_organiser_exclusions_leave_the_analysis_with_their_reason(voted_study, 
         "rater-001": "rater excluded: left the room"}
     kept = [e for e in expected if e[1] == "main" and e[0] == "rater-002"]
     assert analysis["n_votes"]["main_after_exclusion"] == len(kept)
+
+
+# ------------------------------------------------------------------------------- check rules
+
+def _record(i, rater, item, kind, prompt, answer, expected=None):
+    from attnqat.eval.results import VoteRecord
+
+    return VoteRecord(i, rater, item, kind, prompt, 0, "attnqat", "bf16", expected, None, None,
+                      True, None, None, {"overall": answer}, {})
+
+
+def test_dodged_and_reported_checks_exclude_and_the_report_warns():
+    """A rater cannot dodge the checks: "report a problem and skip" on a check item counts as a
+    wrong answer, and a rater with fewer answered checks than required is excluded. When the
+    exclusions leave items short of their planned raters, or change a verdict, the report
+    says so."""
+    from attnqat.eval.results import analyze
+
+    votes, i = [], 0
+    # Three raters rate 12 prompts; the careful one answers both checks right and votes tie;
+    # the dodger skips (reports) both checks; the absent one never meets a check. Both vote "a".
+    for rater, answer in (("careful", "tie"), ("dodger", "a"), ("absent", "a")):
+        for p in range(12):
+            i += 1
+            votes.append(_record(i, rater, p, "main", f"prompt {p}", answer))
+    for item, expected in ((100, "tie"), (101, "a")):
+        i += 1
+        votes.append(_record(i, "careful", item, "check_identical", f"check {item}", expected,
+                             expected))
+    reports = [("dodger", "check_identical"), ("dodger", "check_degraded"), ("absent", "main")]
+    config = StudyConfig(name="rules", pairs=[("attnqat", "bf16")], ratings_per_item=3,
+                         n_boot=0, equivalence_margin=0.5)
+    result = analyze(votes, config, reports)
+    assert result["excluded_raters"] == ["absent", "dodger"]
+    assert result["raters"]["dodger"]["checks_answered"] == 2
+    assert result["raters"]["dodger"]["checks_correct"] == 0
+    assert result["raters"]["absent"]["too_few_checks"] is True
+    assert "fewer than 2 check item(s)" in result["exclusion_rule"]
+    warnings = " | ".join(result["warnings"])
+    assert "after exclusion 1 of 3 rater(s) remain; 12 of 12 main item(s) have fewer than the " \
+           "planned 3 rating(s)" in warnings
+    assert "the exclusions change the overall verdict" in warnings
+    # Without the reports the dodger keeps their votes only through the required-checks rule.
+    config.required_checks = 0
+    assert analyze(votes, config, [])["excluded_raters"] == []
