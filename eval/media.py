@@ -150,12 +150,19 @@ def common_settings(infos: Sequence[VideoInfo], qp: int = 18, preset: str = "med
     return EncodeSettings(_even(w), _even(h), float(fps), frames, qp=qp, preset=preset)
 
 
+#: Temporal noise (ffmpeg ``noise`` filter strength) of a degraded side unless the build
+#: calibrates it (see :func:`attnqat.eval.study.build_study`).
+DEGRADE_NOISE = 40.0
+
+
 @dataclass(frozen=True)
 class Side:
-    """One half of a served pair: a source clip, optionally degraded (a check item's bad side)."""
+    """One half of a served pair: a source clip, optionally degraded (a check item's bad side)
+    with temporal noise of strength ``noise`` on top of the lost detail."""
 
     path: Path
     degrade: bool = False
+    noise: float = DEGRADE_NOISE
 
 
 def _clip_stream(side: Side, settings: EncodeSettings, degrade_strength: int = 4):
@@ -166,7 +173,8 @@ def _clip_stream(side: Side, settings: EncodeSettings, degrade_strength: int = 4
         s = max(2, int(degrade_strength))
         stream = stream.filter("scale", _even(settings.width // s), _even(settings.height // s))
         stream = stream.filter("scale", settings.width, settings.height, flags="neighbor")
-        stream = stream.filter("noise", alls=40, allf="t+u")
+        if side.noise > 0:
+            stream = stream.filter("noise", alls=int(round(side.noise)), allf="t+u")
     stream = stream.filter("scale", settings.width, settings.height)
     stream = stream.filter("fps", fps=settings.fps)
     stream = stream.filter("setsar", 1)

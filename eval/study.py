@@ -357,19 +357,45 @@ def _build(plan: Sequence[PlannedItem], out_dir: Path, config: StudyConfig, Sess
     work = out_dir / ".encode"
     work.mkdir(exist_ok=True)
 
+    noise_of: dict[int, float] = {}  # item index -> calibrated noise of its degraded side
+
+    def sides(i: int) -> tuple[media.Side, media.Side]:
+        it = plan[i]
+        noise = noise_of.get(i, media.DEGRADE_NOISE)
+        return (media.Side(it.a.path, it.degrade_a, noise), media.Side(it.b.path, it.degrade_b, noise))
+
     def encode(job: tuple[int, bool, str]) -> list[int]:
         i, a_on_left, token = job
-        it = plan[i]
-        a, b = media.Side(it.a.path, it.degrade_a), media.Side(it.b.path, it.degrade_b)
+        a, b = sides(i)
         units = media.encode_pair(*((a, b) if a_on_left else (b, a)), settings)
         (work / f"{token}.h264").write_bytes(b"".join(b"\x00\x00\x00\x01" + u
                                                       for au in units for u in au))
         return [media.sample_size(au) for au in units]
 
+    # Pairs with a degraded side are encoded last: their noise is set so that the pair needs
+    # as many coded bytes as the median main pair (with a fixed strong noise they needed ~3x
+    # more, which picked them out from the filler lengths of every frame).
+    degraded = {i for i, it in enumerate(plan) if it.degrade_a or it.degrade_b}
+    first = [v for v in videos if v[0] not in degraded]
+    later = [v for v in videos if v[0] in degraded]
     workers = max(1, jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(workers) as pool:
-        sizes = list(tqdm(pool.map(encode, videos), total=len(videos), desc="encoding pairs",
-                          unit="video", disable=not progress))
+        bar = tqdm(total=len(videos), desc="encoding pairs", unit="video", disable=not progress)
+        sizes_of = {}
+        for job, s in zip(first, pool.map(encode, first)):
+            sizes_of[job] = s
+            bar.update()
+        main_totals = sorted(sum(s) for (i, _, _), s in sizes_of.items() if plan[i].kind == "main")
+        if main_totals and degraded:
+            goal = main_totals[len(main_totals) // 2]
+            for i, noise in zip(sorted(degraded), pool.map(
+                    lambda i: _matching_noise(sides(i), settings, goal), sorted(degraded))):
+                noise_of[i] = noise
+        for job, s in zip(later, pool.map(encode, later)):
+            sizes_of[job] = s
+            bar.update()
+        bar.close()
+    sizes = [sizes_of[job] for job in videos]
 
     # 2. every frame padded to the study-wide size of its position; one container for all.
     target = media.padded_sizes(sizes)
@@ -421,6 +447,27 @@ def _build(plan: Sequence[PlannedItem], out_dir: Path, config: StudyConfig, Sess
     db_url = Session.kw["bind"].url.render_as_string(hide_password=True)
     return BuildResult(study_id, config.name, out_dir, db_url, counts, len(videos), size, invites,
                        settings)
+
+
+def _matching_noise(pair: tuple[media.Side, media.Side], settings: media.EncodeSettings,
+                    goal: int, high: float = 64.0, steps: int = 6) -> float:
+    """The noise strength (0 … ``high``) of the degraded side whose pair encodes closest to
+    ``goal`` coded bytes (more noise, more bytes: bisection)."""
+    def coded(noise: float) -> int:
+        a, b = (media.Side(s.path, s.degrade, noise) for s in pair)
+        return sum(media.sample_size(au) for au in media.encode_pair(a, b, settings))
+
+    lo, hi = 0.0, high
+    best = min(((abs(coded(x) - goal), x) for x in (lo, hi)))
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        size = coded(mid)
+        best = min(best, (abs(size - goal), mid))
+        if size < goal:
+            lo = mid
+        else:
+            hi = mid
+    return best[1]
 
 
 def write_invites(out_dir: Path, invites: Sequence[tuple[str, str]]) -> Path:
