@@ -67,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="exclusion rule: raters who answered fewer check items than this are "
                              "excluded (a reported check counts as a wrong answer); each rater's "
                              "queue holds at least this many checks")
+    parser.add_argument("--repeat-checks", type=int, default=2,
+                        help="main items each rater sees twice, sides swapped (a consistency "
+                             "check: opposite answers count as a failed check); 0 disables")
     parser.add_argument("--n-boot", type=int, default=2000,
                         help="bootstrap resamples (of prompts) for the report's intervals")
     parser.add_argument("--seed", type=int, default=0,
@@ -146,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             equivalence_margin=args.equivalence_margin, test=args.test, alpha=args.alpha,
             min_prompts=args.min_prompts, min_check_accuracy=args.min_check_accuracy,
             min_checks=args.min_checks, required_checks=args.required_checks,
+            repeat_checks=args.repeat_checks,
             n_boot=args.n_boot, seed=args.seed,
             release_after_minutes=args.release_after, min_view_factor=args.min_view,
             fast_vote_margin=args.fast_vote_margin)

@@ -255,8 +255,21 @@ def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = N
                         checks.append(pool.pop(0))
         practice = [it for it in items if it.kind == "practice"]
         sides = {**_balanced_sides(chosen, counts, rng), **_balanced_sides(checks, counts, rng)}
-        queue = chosen + checks
+        repeats_of = {it.repeat_of: it for it in items if it.kind == "check_repeat"}
+        originals = [it for it in chosen if it.id in repeats_of]
+        rng.shuffle(originals)
+        repeats = [repeats_of[it.id] for it in originals[:int(config.get("repeat_checks", 0) or 0)]]
+        for rep in repeats:  # the same pair, the other way round
+            sides[rep.id] = not sides[rep.repeat_of]
+        queue = chosen + checks + repeats
         rng.shuffle(queue)
+        if repeats:  # never back to back with its original
+            for rep in repeats:
+                i = queue.index(rep)
+                j = queue.index(next(it for it in chosen if it.id == rep.repeat_of))
+                if abs(i - j) == 1 and len(queue) > 3:
+                    queue.remove(rep)
+                    queue.insert((max(i, j) + len(queue) // 2) % len(queue), rep)
         position = 0
         for it in practice:
             session.add(Assignment(token=secrets.token_urlsafe(12), rater_id=rater.id,
@@ -366,7 +379,8 @@ def served_media(session: Session, assignment: Assignment, media_dir: Path | Non
     study built before side-by-side serving, ``{"left": url, "right": url}``; and the seconds one
     play-through takes (``duration``; in such an older study the longer of its two clips, read
     once from the files in ``media_dir``; None when unknown)."""
-    video = session.scalar(select(Video).where(Video.item_id == assignment.item_id,
+    item_id = assignment.item.repeat_of or assignment.item_id
+    video = session.scalar(select(Video).where(Video.item_id == item_id,
                                                Video.a_on_left == assignment.a_on_left))
     if video is not None:
         return {"video": f"/media/{video.token}.mp4", "duration": video.duration_s}

@@ -78,6 +78,8 @@ class VoteRecord:
     play_seconds: float | None = None
     #: The organiser's exclusion of this vote's rater or item (with the reason), else None.
     excluded_by_organiser: str | None = None
+    #: For a ``check_repeat`` vote: the main item it repeats.
+    repeat_of: int | None = None
 
     def outcome(self, question: str = "overall") -> str:
         """win / tie / lose for method A."""
@@ -126,7 +128,8 @@ def load_votes(session: Session, study_id: int) -> list[VoteRecord]:
                               item.method_a, item.method_b, item.expected, left, right,
                               vote.left_is_a, _iso(vote.shown_at), _iso(vote.voted_at),
                               answers, sides, bool(vote.both_bad), vote.comment, view,
-                              durations.get((item.id, vote.left_is_a)), excluded))
+                              durations.get((item.repeat_of or item.id, vote.left_is_a)), excluded,
+                              item.repeat_of))
     return out
 
 
@@ -136,7 +139,15 @@ def rater_checks(votes: Sequence[VoteRecord], reports: Sequence[tuple[str, str]]
     rater reported as broken (``reports``: (rater, item kind)) counts as answered and wrong:
     otherwise "report a problem and skip" would dodge every check."""
     answers = [(v.rater, v.answers["overall"], v.expected)
-               for v in votes if v.kind.startswith("check") and "overall" in v.answers]
+               for v in votes if v.kind.startswith("check") and v.kind != "check_repeat"
+               and "overall" in v.answers]
+    first = {(v.rater, v.item_id): v.answers.get("overall") for v in votes if v.kind == "main"}
+    for v in votes:  # a repeat is right unless it reverses the rater's decisive answer
+        if v.kind == "check_repeat" and "overall" in v.answers:
+            before = first.get((v.rater, v.repeat_of))
+            if before is not None:
+                flipped = {before, v.answers["overall"]} == {"a", "b"}
+                answers.append((v.rater, "reversed" if flipped else "consistent", "consistent"))
     answers += [(rater, "reported", "not reported") for rater, kind in reports
                 if kind.startswith("check")]
     return stats.check_scores(answers)

@@ -70,6 +70,9 @@ class StudyConfig:
     #: excluded too (a reported check counts as answered, and failed); every rater's queue
     #: holds at least this many checks when the study has them.
     required_checks: int = 2
+    #: Main items each rater sees a second time, sides swapped (``check_repeat`` items, when the
+    #: study has checks): opposite decisive answers count as a failed check.
+    repeat_checks: int = 2
     n_boot: int = 2000
     seed: int = 0
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA))
@@ -110,6 +113,8 @@ class StudyConfig:
             raise InputError("--min-check-accuracy must be in [0, 1]")
         if self.min_checks < 1:
             raise InputError("--min-checks must be at least 1")
+        if self.repeat_checks < 0:
+            raise InputError("--repeat-checks must be 0 or positive")
         if self.required_checks < 0:
             raise InputError("--required-checks must be 0 or positive")
         if self.n_boot < 0:
@@ -437,6 +442,15 @@ def _build(plan: Sequence[PlannedItem], out_dir: Path, config: StudyConfig, Sess
             session.add(item)
             items.append(item)
         session.flush()
+        if config.check_fraction > 0 and config.repeat_checks > 0:
+            # One repeat per main item (rows only: it is served with the main item's videos);
+            # a rater's queue takes up to repeat_checks of them, for main items it holds.
+            for original in [it for it in items if it.kind == "main"]:
+                session.add(Item(study_id=study.id, kind="check_repeat", prompt=original.prompt,
+                                 seed=original.seed, method_a=original.method_a,
+                                 method_b=original.method_b, clip_a_id=original.clip_a_id,
+                                 clip_b_id=original.clip_b_id, target_ratings=0,
+                                 repeat_of=original.id))
         for i, a_on_left, token in videos:
             session.add(Video(study_id=study.id, item_id=items[i].id, a_on_left=a_on_left,
                               token=token, duration_s=settings.duration))

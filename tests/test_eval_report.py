@@ -27,12 +27,18 @@ def side_for(answer: str, a_on_left: bool) -> str:
 
 def intended(rater: str, item: Item) -> str:
     """What each simulated rater answers (a / b / tie), deterministic per rater and item."""
+    if item.kind == "check_repeat":  # the same answer as to the main item it repeats…
+        if rater == "rater-003":  # …except rater 3, who reverses it
+            return "b"
+        return ("a", "tie", "b", "tie", "a")[(item.repeat_of + int(rater[-1])) % 5]
     if item.kind.startswith("check"):
         if rater == "rater-003":  # rater 3 fails every check
             return {"tie": "a", "a": "b", "b": "a"}[item.expected]
         return item.expected
     if item.kind == "practice":
         return "tie"
+    if rater == "rater-003":
+        return "a"
     return ("a", "tie", "b", "tie", "a")[(item.id + int(rater[-1])) % 5]
 
 
