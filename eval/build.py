@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fast-vote-margin", type=float, default=3.0, metavar="SECONDS",
                         help="a vote less than this many seconds after one play-through is fast; "
                              "raters with mostly fast votes are flagged in the report")
+    parser.add_argument("--invite-days", type=float, default=30.0, metavar="DAYS",
+                        help="invite links stop working this many days after they are made (0: "
+                             "never)")
     parser.add_argument("--raters", type=int, default=0,
                         help="rater invites to create now (more can be added in the admin view)")
     parser.add_argument("--qp", type=int, default=18,
@@ -152,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
             repeat_checks=args.repeat_checks,
             n_boot=args.n_boot, seed=args.seed,
             release_after_minutes=args.release_after, min_view_factor=args.min_view,
-            fast_vote_margin=args.fast_vote_margin)
+            fast_vote_margin=args.fast_vote_margin, invite_days=args.invite_days)
         if args.raters < 0:
             return _fail("--raters must be 0 or positive")
         if not 0 <= args.qp <= 51:
@@ -167,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"study {result.name!r} in {result.out_dir}: {counts} items; {result.n_videos} "
           f"side-by-side videos ({st.pair_size[0]}x{st.pair_size[1]}, {st.frames} frames at "
           f"{st.fps:g} fps) of {result.video_size} bytes each")
+    for warning in result.warnings:
+        print(f"warning: {warning}")
     print(f"database: {result.db_url}")
     if result.invites:
         print(f"{len(result.invites)} rater invites in {result.out_dir / 'invites.csv'} "

@@ -76,7 +76,12 @@ def read_votes(path: str | Path, pair: tuple[str, str] | None = None) -> list[Vo
             def get(name: str, default: str = "") -> str:
                 key = columns.get(name)
                 value = raw.get(key) if key is not None else None
-                return default if value is None else str(value).strip()
+                if value is None:
+                    return default
+                value = str(value)
+                if value[:1] == "'" and value[1:2] in ("=", "+", "-", "@", "\t", "\r"):
+                    value = value[1:]  # our export's formula guard
+                return value.strip()
 
             answers, both_bad = {}, False
             for q in QUESTIONS:

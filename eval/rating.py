@@ -117,18 +117,20 @@ class InvalidVote(RatingError):
 _QUEUE_LOCK = threading.Lock()
 
 
-def add_raters(Session: sessionmaker, study_id: int, n: int, prefix: str = "rater"
-               ) -> list[tuple[str, str]]:
-    """Create ``n`` invites; returns (label, token) pairs. Labels number on from existing raters."""
+def add_raters(Session: sessionmaker, study_id: int, n: int, prefix: str = "rater",
+               expires_days: float | None = None) -> list[tuple[str, str]]:
+    """Create ``n`` invites; returns (label, token) pairs. Labels number on from existing raters.
+    ``expires_days`` > 0: the links stop working that many days from now."""
     if n < 0:
         raise ValueError("the number of raters must be non-negative")
+    expires = utcnow() + timedelta(days=expires_days) if expires_days else None
     out = []
     with Session.begin() as session:
         existing = session.scalar(select(func.count(Rater.id)).where(Rater.study_id == study_id)) or 0
         for k in range(n):
             label = f"{prefix}-{existing + k + 1:03d}"
             token = secrets.token_urlsafe(16)
-            session.add(Rater(study_id=study_id, token=token, label=label))
+            session.add(Rater(study_id=study_id, token=token, label=label, expires_at=expires))
             out.append((label, token))
     return out
 
@@ -141,6 +143,8 @@ def get_rater(session: Session, study_id: int, token: str, *, touch: bool = Fals
         raise UnknownRater("unknown invite token")
     if rater.revoked_at is not None:
         raise UnknownRater("this invite has been withdrawn by the study organiser")
+    if rater.expires_at is not None and utcnow() > rater.expires_at:
+        raise UnknownRater("this invite has expired")
     if touch:
         rater.last_seen_at = utcnow()
     return rater
@@ -253,7 +257,10 @@ def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = N
                 for pool in pools:
                     if pool and len(checks) < n:
                         checks.append(pool.pop(0))
-        practice = [it for it in items if it.kind == "practice"]
+        # A practice pair some rater reported as not loading is not served to anyone again.
+        broken = set(session.scalars(select(Report.item_id).where(
+            Report.study_id == study_id, Report.reason == "not_loading")))
+        practice = [it for it in items if it.kind == "practice" and it.id not in broken]
         sides = {**_balanced_sides(chosen, counts, rng), **_balanced_sides(checks, counts, rng)}
         repeats_of = {it.repeat_of: it for it in items if it.kind == "check_repeat"}
         originals = [it for it in chosen if it.id in repeats_of]
@@ -308,8 +315,9 @@ def progress(session: Session, rater: Rater) -> dict[str, int]:
 
 
 def stage(session: Session, rater: Rater) -> str:
-    """``instructions`` (not started), ``practice``, ``rating``, ``done``, or ``full`` (started,
-    but the study had nothing left to assign)."""
+    """``instructions`` (not started), ``practice``, ``rating``, ``done``, ``released`` (the
+    organiser gave the rest of the queue to others), or ``full`` (started, but the study had
+    nothing left to assign)."""
     if rater.started_at is None:
         return "instructions"
     if _queue_size(session, rater) == 0:
@@ -318,7 +326,11 @@ def stage(session: Session, rater: Rater) -> str:
     p = progress(session, rater)
     if p["practice_done"] < p["practice_total"]:
         return "practice"
-    return "rating" if p["done"] < p["total"] else "done"
+    if p["done"] < p["total"]:
+        return "rating"
+    released = session.scalar(select(func.count(Assignment.id)).where(
+        Assignment.rater_id == rater.id, Assignment.release_reason.in_(("released", "excluded"))))
+    return "released" if released else "done"
 
 
 def _reopen_inactive(session: Session, rater: Rater) -> int:

@@ -44,20 +44,27 @@ class Block:
     rows: Sequence[Sequence[str]] = ()
 
 
+def _md_text(text: object) -> str:
+    """Text for Markdown, where raw HTML would be rendered: ``&`` and ``<`` escaped (names,
+    prompts and exclusion reasons come from raters, organisers and imported files)."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;")
+
+
 def _md(blocks: Sequence[Block]) -> str:
     out = []
     for b in blocks:
         if b.kind in ("h1", "h2", "h3"):
-            out.append("#" * int(b.kind[1]) + " " + b.text)
+            out.append("#" * int(b.kind[1]) + " " + _md_text(b.text))
         elif b.kind == "p":
-            out.append(b.text)
+            out.append(_md_text(b.text))
         elif b.kind == "img":
             out.append(f"![{b.text}]({b.text})")
         elif b.kind == "table":
             header, *body = b.rows
-            out.append("| " + " | ".join(header) + " |")
+            out.append("| " + " | ".join(_md_text(c) for c in header) + " |")
             out.append("|" + "|".join("---" for _ in header) + "|")
-            out.extend("| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in body)
+            out.extend("| " + " | ".join(_md_text(c).replace("|", "\\|") for c in r) + " |"
+                       for r in body)
         out.append("")
     return "\n".join(out)
 
@@ -243,13 +250,25 @@ def report_blocks(analysis: dict) -> list[Block]:
 # Exports and the command
 # --------------------------------------------------------------------------------------------
 
+#: A spreadsheet reads a cell that starts with one of these as a formula.
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: object) -> object:
+    """A text cell made safe for spreadsheets: one that would start a formula gets a leading
+    apostrophe (shown as text; ``attnqat eval import`` takes it off again)."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
+
+
 def votes_csv(rows: Sequence[dict]) -> str:
-    """Flat vote rows (:meth:`VoteRecord.flat`) as CSV text."""
+    """Flat vote rows (:meth:`VoteRecord.flat`) as CSV text, text cells formula-safe."""
     fields = list(rows[0]) if rows else list(VoteRecord.__dataclass_fields__)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({k: csv_cell(v) for k, v in row.items()} for row in rows)
     return buffer.getvalue()
 
 

@@ -83,6 +83,44 @@ SECURITY_HEADERS = {
 }
 #: Seconds the rater page waits for a pair to load before it offers "try again" / "skip".
 DEFAULT_LOAD_TIMEOUT = 30.0
+#: Largest request body the server reads (a vote with a 2,000-character comment is < 10 KiB).
+MAX_BODY_BYTES = 64 * 1024
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self) -> None:
+        super().__init__(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is over ``limit`` bytes gets 413 — at once when its
+    Content-Length says so, else as soon as that many bytes arrived (never read whole)."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:  # noqa: ANN001 - ASGI app
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            response = JSONResponse({"error": f"request body larger than {self.limit} bytes"},
+                                    status_code=413, headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited():  # noqa: ANN202
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge()
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def _package_dir(name: str) -> Path:
@@ -111,6 +149,8 @@ class ReportIn(BaseModel):
 
 class InvitesIn(BaseModel):
     count: int = Field(ge=1, le=rating.MAX_INVITES)
+    #: Days until the new links stop working (None: the study's ``invite_days``; 0: never).
+    days: float | None = Field(default=None, ge=0, le=3650)
 
 
 class ExcludeIn(BaseModel):
@@ -180,6 +220,7 @@ def open_study(study_dir: str | Path, db_url: str | None = None, name: str | Non
 def create_app(server: StudyServer) -> FastAPI:
     """The FastAPI application for one study."""
     app = FastAPI(title="Video comparison", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     app.mount("/static", StaticFiles(directory=_package_dir("static")), name="static")
     Session, study_id, config = server.Session, server.study_id, server.config
     media_root = server.media_dir.resolve()
@@ -288,7 +329,8 @@ def create_app(server: StudyServer) -> FastAPI:
             rater = rating.get_rater(session, study_id, token, touch=True)
             assignment = rating.current(session, rater)
             if assignment is None:
-                return {"done": True, "progress": rating.progress(session, rater)}
+                return {"done": True, "stage": rating.stage(session, rater),
+                        "progress": rating.progress(session, rater)}
             item = assignment.item
             shown = rating.served_media(session, assignment, media_root)
             return {"done": False, "assignment": assignment.token, "prompt": item.prompt,
@@ -396,7 +438,8 @@ def create_app(server: StudyServer) -> FastAPI:
 
     @app.post("/admin/api/invites", dependencies=[Depends(admin_write)])
     def admin_invites(body: InvitesIn) -> dict:
-        invites = rating.add_raters(Session, study_id, body.count)
+        days = config.invite_days if body.days is None else body.days
+        invites = rating.add_raters(Session, study_id, body.count, expires_days=days)
         write_invites(server.study_dir, invites)
         return {"invites": [{"label": label, "token": token, "link": f"/r/{token}"}
                             for label, token in invites]}

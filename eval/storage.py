@@ -150,6 +150,8 @@ class Rater(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     excluded: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     exclusion_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: The invite stops working after this time (None: never).
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
 
 
 class Assignment(Base):

@@ -84,6 +84,8 @@ class StudyConfig:
     #: A vote is "fast" when it comes less than this many seconds after the earliest moment it
     #: could (one play-through); raters with mostly fast votes are flagged in the report.
     fast_vote_margin: float = 3.0
+    #: Invite links stop working this many days after they are made (0: never).
+    invite_days: float = 30.0
 
     def validate(self) -> None:
         if not self.name.strip():
@@ -125,6 +127,8 @@ class StudyConfig:
             raise InputError("--min-view must be 0 (no minimum) or positive")
         if self.fast_vote_margin < 0:
             raise InputError("--fast-vote-margin must be 0 or positive")
+        if self.invite_days < 0:
+            raise InputError("--invite-days must be 0 (never expire) or positive")
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -302,6 +306,8 @@ class BuildResult:
     video_size: int
     invites: list[tuple[str, str]]
     settings: media.EncodeSettings
+    #: What the build changed about the sources (clips cut or held to the study's length).
+    warnings: list[str] = field(default_factory=list)
 
 
 def _prepare_out_dir(out_dir: Path) -> None:
@@ -349,10 +355,23 @@ def _build(plan: Sequence[PlannedItem], out_dir: Path, config: StudyConfig, Sess
         if session.scalar(select(Study).where(Study.name == config.name)) is not None:
             raise InputError(f"the database already holds a study named {config.name!r}")
 
+    paths = sorted({c.path for it in plan for c in (it.a, it.b)})
+    infos = [media.probe(p) for p in paths]
     if not config.encode:
-        infos = [media.probe(p) for p in sorted({c.path for it in plan for c in (it.a, it.b)})]
         config.encode = media.common_settings(infos, qp=qp).as_dict()
     settings = media.EncodeSettings.from_dict(config.encode)
+    warnings = []
+    longer = [(p, i.frames) for p, i in zip(paths, infos) if i.frames > settings.frames]
+    shorter = [(p, i.frames) for p, i in zip(paths, infos) if i.frames < settings.frames]
+    if longer:
+        p, n = longer[0]
+        warnings.append(f"{len(longer)} clip(s) are longer than the study's {settings.frames} "
+                        f"frames and are cut to them (e.g. {p}: {n} frames); raters see only "
+                        "the first frames")
+    if shorter:
+        p, n = shorter[0]
+        warnings.append(f"{len(shorter)} clip(s) are shorter than the study's {settings.frames} "
+                        f"frames; their last frame is held (e.g. {p}: {n} frames)")
 
     # 1. one encode per item and display order, each on its own (no file backs two items).
     videos = []  # (item index, a_on_left, token)
@@ -455,12 +474,12 @@ def _build(plan: Sequence[PlannedItem], out_dir: Path, config: StudyConfig, Sess
             session.add(Video(study_id=study.id, item_id=items[i].id, a_on_left=a_on_left,
                               token=token, duration_s=settings.duration))
         study_id = study.id
-    invites = add_raters(Session, study_id, n_raters) if n_raters else []
+    invites = add_raters(Session, study_id, n_raters, expires_days=config.invite_days) if n_raters else []
     (out_dir / "study.json").write_text(config.to_json() + "\n", encoding="utf-8")
     write_invites(out_dir, invites)
     db_url = Session.kw["bind"].url.render_as_string(hide_password=True)
     return BuildResult(study_id, config.name, out_dir, db_url, counts, len(videos), size, invites,
-                       settings)
+                       settings, warnings)
 
 
 def _matching_noise(pair: tuple[media.Side, media.Side], settings: media.EncodeSettings,

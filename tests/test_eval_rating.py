@@ -376,3 +376,42 @@ def test_repeated_pairs_come_back_sides_swapped_and_reversals_fail(template, tmp
                 and rating.resolve("left", a.a_on_left) == items[a.item_id].expected)
     assert rater["checks_correct"] == right
     assert "rater-001" in result["excluded_raters"]
+
+
+def test_invites_expire(template, tmp_path):
+    Session, sid = _open(template, tmp_path)
+    (_, fresh), = rating.add_raters(Session, sid, 1, expires_days=7)
+    (_, old), = rating.add_raters(Session, sid, 1, expires_days=7)
+    (_, forever), = rating.add_raters(Session, sid, 1)
+    with Session.begin() as s:
+        s.scalar(select(Rater).where(Rater.token == old)).expires_at = utcnow() - timedelta(hours=1)
+    with Session() as s:
+        assert rating.get_rater(s, sid, fresh).expires_at > utcnow() + timedelta(days=6)
+        assert rating.get_rater(s, sid, forever).expires_at is None
+        with pytest.raises(rating.UnknownRater, match="expired"):
+            rating.get_rater(s, sid, old)
+    with pytest.raises(rating.UnknownRater, match="expired"):
+        rating.start(Session, sid, old)
+
+
+def test_organiser_release_is_not_reported_as_done_and_broken_practice_is_dropped(template, tmp_path):
+    Session, sid = _open(template, tmp_path)
+    (label, alice), (_, bob) = rating.add_raters(Session, sid, 2)
+    rating.start(Session, sid, alice, seed=1)
+    first, item_id, _ = _current(Session, sid, alice)
+    with Session() as s:
+        assert s.get(Item, item_id).kind == "practice"
+    with Session.begin() as s:  # the first practice pair does not load for alice
+        rating.report_problem(s, rating.get_rater(s, sid, alice), first, "not_loading")
+    rating.start(Session, sid, bob, seed=2)
+    bob_items = {a.item_id for a in _queue(Session, _rater_id(Session, sid, bob))}
+    assert item_id not in bob_items  # a broken practice pair is not served again
+    with Session.begin() as s:
+        assert rating.release_assignments(s, rating.find_rater(s, sid, label), "released") > 0
+    with Session() as s:
+        assert rating.stage(s, rating.get_rater(s, sid, alice)) == "released"
+    # Rating everything is still "done".
+    while (cur := _current(Session, sid, bob)) is not None:
+        _vote(Session, sid, bob, cur[0])
+    with Session() as s:
+        assert rating.stage(s, rating.get_rater(s, sid, bob)) == "done"

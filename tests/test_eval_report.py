@@ -218,3 +218,30 @@ def test_dodged_and_reported_checks_exclude_and_the_report_warns():
     # Without the reports the dodger keeps their votes only through the required-checks rule.
     config.required_checks = 0
     assert analyze(votes, config, [])["excluded_raters"] == []
+
+
+def test_exports_are_formula_safe_and_the_markdown_escapes_html(tmp_path):
+    from attnqat.eval import importer
+    from attnqat.eval.report import report_blocks, votes_csv, _md
+    from attnqat.eval.results import VoteRecord, analyze
+
+    hostile = "=HYPERLINK(\"http://x.example\",\"click\")"
+    votes = [VoteRecord(i + 1, "@rater" if i % 2 else "-r2", i, "main", f"+prompt {i}", 0,
+                        "attnqat", "bf16", None, None, None, True, None, None,
+                        {"overall": ("a", "tie", "b")[i % 3]}, {}, comment=hostile,
+                        excluded_by_organiser="rater excluded: <img src=x onerror=alert(1)>"
+                        if i == 0 else None) for i in range(12)]
+    text = votes_csv([v.flat() for v in votes])
+    cells = [c for row in csv.reader(text.splitlines()) for c in row]
+    assert not [c for c in cells if c[:1] in ("=", "+", "-", "@")], cells[:20]
+    assert "'=HYPERLINK" in text and "'@rater" in text and "'+prompt 0" in text
+    # The export reads back as it was.
+    path = tmp_path / "votes.csv"
+    path.write_text(text)
+    back = importer.read_votes(path)
+    assert [v.comment for v in back] == [hostile] * 12
+    assert {v.rater for v in back} == {"@rater", "-r2"} and back[0].prompt == "+prompt 0"
+    config = StudyConfig(name="<script>alert(1)</script>", pairs=[("attnqat", "bf16")], n_boot=0)
+    md = _md(report_blocks(analyze(votes, config)))
+    assert "<img" not in md and "<script" not in md
+    assert "&lt;img src=x onerror=alert(1)>" in md and "&lt;script>" in md

@@ -604,3 +604,49 @@ def test_serve_release_after_overrides_the_declared_value(runs, tmp_path):
     released = db_rows(study, "SELECT a.release_reason FROM assignments a JOIN raters r ON "
                               "r.id = a.rater_id WHERE r.token = ?", idle)
     assert released and {r for (r,) in released} == {"inactive"}
+
+
+def test_request_bodies_are_limited_and_released_raters_are_told_so(runs, tmp_path):
+    """An unauthenticated 256 MiB POST was read whole (RSS +690 MB): bodies over the limit are
+    refused with 413 from the Content-Length, or once that many bytes arrived without one.
+    A rater whose queue the organiser released is told so, not "you rated everything"."""
+    from fastapi.testclient import TestClient
+
+    from attnqat.eval import serve
+
+    study = build(runs, tmp_path / "study", "--pairs", "attnqat:bf16", "--raters", "1")
+    ((label, token),) = invites(study)
+    server = serve.open_study(study, admin_password="pw")
+    with TestClient(serve.create_app(server)) as http:
+        big = b"x" * (serve.MAX_BODY_BYTES + 1)
+        r = http.post(f"/api/r/{token}/vote", content=big,
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "larger than" in r.json()["error"]
+        r = http.post(f"/api/r/{token}/vote", headers={"Content-Type": "application/json",
+                                                       "Content-Length": str(256 << 20)},
+                      content=b"{}")
+        assert r.status_code == 413
+
+        def chunks():  # no Content-Length: the server stops reading at the limit
+            for _ in range(64):
+                yield b"y" * 8192
+
+        r = http.post(f"/api/r/{token}/report", content=chunks(),
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 413
+        # A normal request still works; then the organiser releases the rater's queue.
+        assert http.post(f"/api/r/{token}/start").status_code == 200
+        cur = http.get(f"/api/r/{token}/current").json()
+        assert cur["done"] is False
+        csrf = {"X-CSRF-Token": server.csrf_token}
+        r = http.post(f"/admin/api/raters/{label}/release", auth=("a", "pw"), headers=csrf)
+        assert r.status_code == 200 and r.json()["released"] > 0
+        cur = http.get(f"/api/r/{token}/current").json()
+        assert cur["done"] is True and cur["stage"] == "released"
+        assert http.get(f"/api/r/{token}/state").json()["stage"] == "released"
+        # New invites expire after the study's invite_days unless the request says otherwise.
+        r = http.post("/admin/api/invites", json={"count": 1, "days": 0}, auth=("a", "pw"),
+                      headers=csrf)
+        assert r.status_code == 200
+    rows = dict(db_rows(study, "SELECT label, expires_at FROM raters"))
+    assert rows[label] is not None and rows["rater-002"] is None

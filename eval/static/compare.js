@@ -26,7 +26,7 @@
                arrowdown: "tie", x: "both_bad" };
 
   function show(id) {
-    ["instructions", "task", "finished", "full", "problem"].forEach(function (s) {
+    ["instructions", "task", "finished", "released", "full", "problem"].forEach(function (s) {
       document.getElementById(s).hidden = s !== id;
     });
   }
@@ -59,6 +59,7 @@
     if (stage === "instructions") show("instructions");
     else if (stage === "practice" || stage === "rating") loadPair();
     else if (stage === "done") show("finished");
+    else if (stage === "released") show("released");
     else if (stage === "full") show("full");
     else fail(new Error("unexpected state"));
   }
@@ -210,7 +211,7 @@
 
   function loadPair() {
     request("GET", "current").then(function (data) {
-      if (data.done) { stopAll(); show("finished"); return; }
+      if (data.done) { stopAll(); show(data.stage === "released" ? "released" : "finished"); return; }
       current = data;
       var p = data.progress;
       var banner = document.getElementById("banner");
