@@ -195,6 +195,24 @@ def report_blocks(analysis: dict) -> list[Block]:
             "Each verdict is at level α for its own comparison; the Holm-adjusted p (Holm p) "
             "says which verdicts hold for the whole family at the same α.")))
     b.append(Block("h2", "Results (after exclusion)"))
+    ranking = analysis.get("ranking")
+    if ranking and "error" in ranking:
+        b.append(Block("p", f"⚠ no Bradley–Terry ranking: {ranking['error']}"))
+    elif ranking and ranking["methods"]:
+        b.append(Block("h3", "Ranking of all methods (Bradley–Terry)"))
+        b.append(Block("p", (
+            f"Bradley–Terry scores from every overall vote after exclusion (ties half a win "
+            f"to each side), in Elo-like points (+400 = 10× the odds of being preferred), "
+            + (f"{ranking['anchor']} fixed at 1000" if ranking["anchor"] else "mean 1000")
+            + f"; {conf:.0%} intervals from {ranking['n_boot']} prompt-bootstrap refits. Beside "
+            "the pairwise tables below, not instead of them: the ranking is descriptive and "
+            "makes no margin claim.")))
+        rows = [["rank", "method", "score", f"{conf:.0%} interval"]]
+        for name, m in ranking["methods"].items():
+            lo, hi = m["interval"]
+            rows.append([str(m["rank"]), name, f"{m['score']:.0f}",
+                         NO_DATA if _missing(lo) else f"[{lo:.0f}, {hi:.0f}]"])
+        b.append(Block("table", rows=rows))
     b.append(Block("img", "wtl.png"))
     for pair, data in analysis["pairs"].items():
         b.append(Block("h3", pair))

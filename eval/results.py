@@ -274,6 +274,22 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig,
                                      for o in stats.OUTCOMES} for q in QUESTIONS},
         }
     multiplicity = _holm_across(pairs, config.alpha)
+    ranking = None
+    methods = {m for p in config.pairs for m in p}
+    if len(methods) > 2:
+        counts: dict[str, int] = {}
+        for a, b in config.pairs:
+            counts[a] = counts.get(a, 0) + 1
+            counts[b] = counts.get(b, 0) + 1
+        anchor = max(sorted(counts), key=counts.get)  # the reference most pairs share
+        comparisons = [(v.method_a, v.method_b, v.outcome("overall"), v.prompt) for v in kept
+                       if "overall" in v.answers and (v.method_a, v.method_b) in config.pairs]
+        try:
+            ranking = stats.bradley_terry_ranking(comparisons, anchor=anchor,
+                                                  n_boot=config.n_boot, seed=config.seed,
+                                                  confidence=config.confidence)
+        except ValueError as exc:
+            ranking = {"error": str(exc)}
     warnings = _exclusion_warnings(main, kept, pairs, config)
     if any(v.kind.startswith("check") for v in votes) or config.check_fraction > 0:
         w = _check_rule_warning(checks, config)
@@ -299,6 +315,7 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig,
         "n_votes": {"all": len(votes), "main": len(main), "main_after_exclusion": len(kept)},
         "pairs": pairs,
         "multiplicity": multiplicity,
+        "ranking": ranking,
         "warnings": warnings,
     }
 

@@ -366,6 +366,105 @@ def bootstrap_clusters(counts: np.ndarray, n_boot: int = 2000, seed: int = 0,
 
 
 # --------------------------------------------------------------------------------------------
+# Ranking of more than two methods: Bradley–Terry
+# --------------------------------------------------------------------------------------------
+
+#: Scale of Bradley–Terry scores: Elo-like points (400 per factor of 10 in the odds of winning).
+BT_SCALE = 400.0 / math.log(10.0)
+#: Pseudo-votes added to each direction of every compared pair, so a method that never won (or
+#: never lost) keeps a finite score.
+BT_PRIOR = 0.5
+
+
+def bradley_terry(wins: np.ndarray, *, prior: float = BT_PRIOR, tol: float = 1e-10,
+                  max_iter: int = 10_000) -> np.ndarray:
+    """Bradley–Terry log-strengths (mean 0) from ``wins[i, j]``, the (possibly fractional)
+    number of times method i was preferred to j — a tie counts half to each. Fitted by
+    Hunter's MM algorithm (2004), which increases the likelihood at every step; ``prior``
+    pseudo-votes are added to both directions of every pair that was compared. Methods that
+    were never compared with the rest cannot be placed: the comparison graph must be
+    connected (ValueError otherwise)."""
+    w = np.asarray(wins, dtype=float)
+    k = w.shape[0]
+    n = w + w.T
+    compared = n > 0
+    reach, frontier = {0}, [0]
+    while frontier:
+        i = frontier.pop()
+        for j in np.flatnonzero(compared[i]):
+            if j not in reach:
+                reach.add(int(j))
+                frontier.append(int(j))
+    if len(reach) < k:
+        raise ValueError("the methods' comparisons do not connect them all: no common scale")
+    w = w + prior * compared
+    n = w + w.T
+    total_wins = w.sum(axis=1)
+    p = np.ones(k)
+    for _ in range(max_iter):
+        denom = (n / (p[:, None] + p[None, :])).sum(axis=1)
+        new = total_wins / denom
+        new /= math.exp(np.log(new).mean())
+        if np.max(np.abs(np.log(new) - np.log(p))) < tol:
+            p = new
+            break
+        p = new
+    logp = np.log(p)
+    return logp - logp.mean()
+
+
+def bradley_terry_ranking(comparisons: Sequence[tuple[str, str, str, Hashable]], *,
+                          anchor: str | None = None, n_boot: int = 2000, seed: int = 0,
+                          confidence: float = 0.95) -> dict:
+    """A ranking of several methods from pairwise votes, with prompt-bootstrap intervals (as
+    Chatbot Arena reports). ``comparisons`` are (method A, method B, outcome for A, prompt);
+    ties count half a win to each side. Scores are Elo-like points with ``anchor`` (e.g. the
+    BF16 reference) at 1000, else the mean at 1000; intervals are percentile intervals over
+    ``n_boot`` resamples of prompts (whole clusters of votes), each refitted."""
+    methods = sorted({m for a, b, _, _ in comparisons for m in (a, b)})
+    index = {m: i for i, m in enumerate(methods)}
+    prompts = list(dict.fromkeys(c for *_, c in comparisons))
+    p_index = {c: i for i, c in enumerate(prompts)}
+    k = len(methods)
+    per_prompt = np.zeros((len(prompts), k, k))
+    half = {"win": (1.0, 0.0), "tie": (0.5, 0.5), "lose": (0.0, 1.0)}
+    for a, b, outcome, prompt in comparisons:
+        wa, wb = half[outcome]
+        c = p_index[prompt]
+        per_prompt[c, index[a], index[b]] += wa
+        per_prompt[c, index[b], index[a]] += wb
+
+    def points(wins: np.ndarray) -> np.ndarray:
+        logp = bradley_terry(wins)
+        base = logp[index[anchor]] if anchor in index else 0.0
+        return 1000.0 + BT_SCALE * (logp - base)
+
+    estimate = points(per_prompt.sum(axis=0))
+    boots = []
+    if n_boot > 0 and prompts:
+        rng = np.random.default_rng(seed)
+        for _ in range(n_boot):
+            sample = per_prompt[rng.integers(0, len(prompts), len(prompts))].sum(axis=0)
+            try:
+                boots.append(points(sample))
+            except ValueError:  # a resample that leaves a method unconnected
+                continue
+    tail = 100 * (1 - confidence) / 2
+    boots_arr = np.array(boots) if boots else np.full((0, k), np.nan)
+    order = np.argsort(-estimate, kind="stable")
+    out = {}
+    for rank, i in enumerate(order, start=1):
+        ci = ((float(np.percentile(boots_arr[:, i], tail)),
+               float(np.percentile(boots_arr[:, i], 100 - tail))) if len(boots) else
+              (math.nan, math.nan))
+        out[methods[i]] = {"rank": rank, "score": float(estimate[i]), "interval": ci}
+    return {"method": "Bradley–Terry (MM), ties half a win, prompt bootstrap",
+            "anchor": anchor if anchor in index else None, "scale": "Elo-like points",
+            "n_votes": len(comparisons), "n_prompts": len(prompts), "n_boot": len(boots),
+            "confidence": confidence, "methods": out}
+
+
+# --------------------------------------------------------------------------------------------
 # Agreement
 # --------------------------------------------------------------------------------------------
 

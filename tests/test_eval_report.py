@@ -245,3 +245,25 @@ def test_exports_are_formula_safe_and_the_markdown_escapes_html(tmp_path):
     md = _md(report_blocks(analyze(votes, config)))
     assert "<img" not in md and "<script" not in md
     assert "&lt;img src=x onerror=alert(1)>" in md and "&lt;script>" in md
+
+
+def test_more_than_two_methods_get_a_bradley_terry_ranking(voted_study):
+    study, expected = voted_study
+    out = study.parent / "ranking-report"
+    assert cli_main(["eval", "report", "--study", str(study), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    ranking = results["ranking"]
+    assert ranking["anchor"] == "bf16" and set(ranking["methods"]) == {"bf16", "attnqat", "nvfp4"}
+    assert sorted(m["rank"] for m in ranking["methods"].values()) == [1, 2, 3]
+    for m in ranking["methods"].values():
+        lo, hi = m["interval"]
+        assert lo <= m["score"] <= hi
+    md = (out / "report.md").read_text()
+    assert "Ranking of all methods (Bradley–Terry)" in md
+    # Two methods: the pairwise table says it all, no ranking.
+    from attnqat.eval.results import analyze, VoteRecord
+
+    two = [VoteRecord(i, "r", i, "main", f"p{i}", 0, "attnqat", "bf16", None, None, None, True,
+                      None, None, {"overall": "tie"}, {}) for i in range(5)]
+    assert analyze(two, StudyConfig(name="two", pairs=[("attnqat", "bf16")], n_boot=0))[
+        "ranking"] is None

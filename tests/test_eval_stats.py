@@ -331,3 +331,52 @@ def test_summarize_wtl_tests_prompt_clusters_not_votes():
     assert s["margin_test"]["p"] == pytest.approx(ref.p, rel=1e-12)
     assert s["margin_test"]["design_effect"] == pytest.approx(stats.design_effect(counts))
     assert s["n_votes"] == len(outcomes)
+
+
+# --------------------------------------------------------------------------- Bradley–Terry
+
+def test_bradley_terry_mm_is_the_maximum_likelihood_fit():
+    from scipy.optimize import minimize
+
+    rng = np.random.default_rng(11)
+    wins = rng.integers(0, 30, size=(4, 4)).astype(float)
+    np.fill_diagonal(wins, 0)
+    wins[0, 3] += 0.5
+    wins[3, 0] += 0.5  # a tie, half to each side
+    prior = stats.BT_PRIOR
+    w = wins + prior * ((wins + wins.T) > 0)
+
+    def nll(theta):
+        t = np.concatenate([[0.0], theta])
+        diff = t[:, None] - t[None, :]
+        return float((w * np.log1p(np.exp(-diff))).sum())
+
+    opt = minimize(nll, np.zeros(3), method="BFGS", options={"gtol": 1e-10}).x
+    ref = np.concatenate([[0.0], opt])
+    ours = stats.bradley_terry(wins)
+    assert ours - ours[0] == pytest.approx(ref, abs=1e-5)
+    with pytest.raises(ValueError, match="connect"):
+        stats.bradley_terry(np.array([[0, 3, 0], [2, 0, 0], [0, 0, 0]]))
+
+
+def test_bradley_terry_ranking_recovers_known_strengths_with_bootstrap_intervals():
+    rng = np.random.default_rng(2)
+    true = {"bf16": 0.0, "attnqat": -0.1, "sage3": -0.5, "nvfp4": -1.0}
+    comparisons = []
+    for prompt in range(150):
+        for a in ("attnqat", "sage3", "nvfp4"):
+            for b in ("bf16", "attnqat", "sage3"):
+                if a != b and (a, b) != ("sage3", "attnqat"):
+                    p_a = 1 / (1 + math.exp(true[b] - true[a]))
+                    comparisons.append((a, b, "win" if rng.random() < p_a else "lose", prompt))
+    r = stats.bradley_terry_ranking(comparisons, anchor="bf16", n_boot=300, seed=1)
+    m = r["methods"]
+    assert [name for name, _ in sorted(m.items(), key=lambda kv: kv[1]["rank"])] == [
+        "bf16", "attnqat", "sage3", "nvfp4"]
+    assert m["bf16"]["score"] == 1000.0 and m["bf16"]["interval"] == (1000.0, 1000.0)
+    for name, strength in true.items():
+        expected = 1000 + stats.BT_SCALE * strength
+        lo, hi = m[name]["interval"]
+        assert lo <= m[name]["score"] <= hi
+        assert lo - 15 <= expected <= hi + 15, (name, expected, lo, hi)
+    assert r["n_prompts"] == 150 and r["n_boot"] == 300
