@@ -16,6 +16,7 @@ With inputs, ``--sample N`` keeps N prompts drawn from those the inputs have (re
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 from pathlib import Path
 
@@ -86,6 +87,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--invite-days", type=float, default=30.0, metavar="DAYS",
                         help="invite links stop working this many days after they are made (0: "
                              "never)")
+    parser.add_argument("--crowd-raters", type=int, default=0, metavar="N",
+                        help="crowd platforms (Prolific, MTurk): make a study link "
+                             "/c/CROWD_TOKEN?worker_id=ID that creates one rater per worker id, "
+                             "at most N (0: no crowd link)")
+    parser.add_argument("--completion-code", default=None,
+                        help="code shown to raters who finish (crowd platforms' completion "
+                             "code); if omitted, a random one")
+    parser.add_argument("--completion-url", default="",
+                        help="link shown with the completion code, e.g. "
+                             "https://app.prolific.com/submissions/complete?cc=CODE")
     parser.add_argument("--raters", type=int, default=0,
                         help="rater invites to create now (more can be added in the admin view)")
     parser.add_argument("--qp", type=int, default=18,
@@ -155,7 +166,11 @@ def run(args: argparse.Namespace) -> int:
             repeat_checks=args.repeat_checks,
             n_boot=args.n_boot, seed=args.seed,
             release_after_minutes=args.release_after, min_view_factor=args.min_view,
-            fast_vote_margin=args.fast_vote_margin, invite_days=args.invite_days)
+            fast_vote_margin=args.fast_vote_margin, invite_days=args.invite_days,
+            crowd_raters=args.crowd_raters,
+            crowd_token=secrets.token_urlsafe(16) if args.crowd_raters else "",
+            completion_code=args.completion_code or secrets.token_hex(4).upper(),
+            completion_url=args.completion_url)
         if args.raters < 0:
             return _fail("--raters must be 0 or positive")
         if not 0 <= args.qp <= 51:
@@ -170,6 +185,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"study {result.name!r} in {result.out_dir}: {counts} items; {result.n_videos} "
           f"side-by-side videos ({st.pair_size[0]}x{st.pair_size[1]}, {st.frames} frames at "
           f"{st.fps:g} fps) of {result.video_size} bytes each")
+    if config.crowd_raters:
+        print(f"crowd link (up to {config.crowd_raters} workers): "
+              f"/c/{config.crowd_token}?worker_id=WORKER_ID on the rater app; completion code "
+              f"{config.completion_code}")
     for warning in result.warnings:
         print(f"warning: {warning}")
     print(f"database: {result.db_url}")

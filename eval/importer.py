@@ -141,7 +141,8 @@ def read_votes(path: str | Path, pair: tuple[str, str] | None = None) -> list[Vo
                     n, rater, item_id, kind, prompt, seed, method_a, method_b, expected,
                     left if left_is_a is not None else None,
                     right if left_is_a is not None else None, left_is_a, None, None,
-                    dict(answers), sides, both_bad, get("comment") or None, view))
+                    dict(answers), sides, both_bad, get("comment") or None, view,
+                    worker_id=get("worker_id") or None))
     if not votes:
         raise InputError(f"{path}: no votes" + (f" for the pair {pair[0]}:{pair[1]}" if pair else ""))
     return votes

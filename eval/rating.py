@@ -31,6 +31,7 @@ duration after it was first shown).
 from __future__ import annotations
 
 import random
+import re
 import secrets
 import threading
 from collections.abc import Mapping
@@ -113,6 +114,10 @@ class InvalidVote(RatingError):
     status = 422
 
 
+class StudyFull(RatingError):
+    status = 403
+
+
 #: Serializes queue creation inside one server process (the database lock does across processes).
 _QUEUE_LOCK = threading.Lock()
 
@@ -133,6 +138,45 @@ def add_raters(Session: sessionmaker, study_id: int, n: int, prefix: str = "rate
             session.add(Rater(study_id=study_id, token=token, label=label, expires_at=expires))
             out.append((label, token))
     return out
+
+
+#: What a crowd platform's worker id may look like.
+WORKER_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+
+
+def claim_for_worker(rater: Rater, worker_id: str) -> None:
+    """Record the worker id an invite is opened with; an invite opened by another worker id
+    before is refused."""
+    if not WORKER_ID.fullmatch(worker_id):
+        raise InvalidVote("worker_id: 1 to 128 letters, digits or _ . : @ -")
+    if rater.worker_id is None:
+        rater.worker_id = worker_id
+    elif rater.worker_id != worker_id:
+        raise UnknownRater("this invite link belongs to another worker")
+
+
+def crowd_rater(Session: sessionmaker, study_id: int, worker_id: str, max_raters: int,
+                expires_days: float | None = None) -> str:
+    """The invite token of ``worker_id``'s rater, made on the first visit through the study's
+    crowd link (at most ``max_raters`` such raters: :class:`StudyFull` after that)."""
+    if not WORKER_ID.fullmatch(worker_id):
+        raise InvalidVote("worker_id: 1 to 128 letters, digits or _ . : @ -")
+    with _QUEUE_LOCK, Session.begin() as session:
+        session.execute(select(Study.id).where(Study.id == study_id).with_for_update())
+        rater = session.scalar(select(Rater).where(Rater.study_id == study_id,
+                                                   Rater.worker_id == worker_id))
+        if rater is not None:
+            return rater.token
+        crowd = session.scalar(select(func.count(Rater.id)).where(
+            Rater.study_id == study_id, Rater.label.like("worker-%"))) or 0
+        if crowd >= max_raters:
+            raise StudyFull("this study has all the workers it needs; thank you")
+        existing = session.scalar(select(func.count(Rater.id)).where(Rater.study_id == study_id)) or 0
+        token = secrets.token_urlsafe(16)
+        expires = utcnow() + timedelta(days=expires_days) if expires_days else None
+        session.add(Rater(study_id=study_id, token=token, label=f"worker-{existing + 1:03d}",
+                          worker_id=worker_id, expires_at=expires))
+        return token
 
 
 def get_rater(session: Session, study_id: int, token: str, *, touch: bool = False) -> Rater:

@@ -80,14 +80,18 @@ class VoteRecord:
     excluded_by_organiser: str | None = None
     #: For a ``check_repeat`` vote: the main item it repeats.
     repeat_of: int | None = None
+    #: The crowd platform's worker id of the rater (None for invites without one).
+    worker_id: str | None = None
 
     def outcome(self, question: str = "overall") -> str:
         """win / tie / lose for method A."""
         return OUTCOME_OF[self.answers[question]]
 
     def flat(self) -> dict:
-        """One flat row for CSV/JSON export."""
+        """One flat row for CSV/JSON export (keyed by vote, rater and worker id first)."""
         d = asdict(self)
+        d = {"vote_id": d.pop("vote_id"), "rater": d.pop("rater"),
+             "worker_id": d.pop("worker_id"), **d}
         answers, sides = d.pop("answers"), d.pop("sides")
         for q in QUESTIONS:
             d[f"{q}_clicked"] = sides.get(q)
@@ -129,7 +133,7 @@ def load_votes(session: Session, study_id: int) -> list[VoteRecord]:
                               vote.left_is_a, _iso(vote.shown_at), _iso(vote.voted_at),
                               answers, sides, bool(vote.both_bad), vote.comment, view,
                               durations.get((item.repeat_of or item.id, vote.left_is_a)), excluded,
-                              item.repeat_of))
+                              item.repeat_of, rater.worker_id))
     return out
 
 
@@ -301,7 +305,8 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig,
                         f"one play-through): {', '.join(fast)}")
     return {
         "study": config.name,
-        "config": {k: v for k, v in asdict(config).items() if k != "encode"},
+        "config": {k: v for k, v in asdict(config).items()
+                   if k not in ("encode", "crowd_token", "completion_code")},
         "exclusion_rule": (f"exclude raters with at least {config.min_checks} answered check "
                            f"item(s) and check accuracy below {config.min_check_accuracy:.0%}"
                            + (f", and raters who answered fewer than {config.required_checks} "
@@ -391,6 +396,7 @@ def progress_tables(session: Session, study_id: int, config: StudyConfig
         t = times.get(rater.label, {})
         raters.append({
             "label": rater.label, "token": rater.token, "started": rater.started_at is not None,
+            "worker_id": rater.worker_id, "expires": _iso(rater.expires_at),
             "done": p["done"], "total": p["total"], "released": released,
             "practice_done": p["practice_done"],
             "checks_answered": s.answered if s else 0,

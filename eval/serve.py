@@ -56,7 +56,7 @@ from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.security import HTTPBasic, HTTPBasicCredentials
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
@@ -160,6 +160,18 @@ class ExcludeIn(BaseModel):
 
 #: The header that carries the admin page's CSRF token on every state-changing admin request.
 CSRF_HEADER = "X-CSRF-Token"
+
+
+#: Names crowd platforms give the worker id in a study link (Prolific, MTurk, generic).
+WORKER_PARAMETERS = ("worker_id", "PROLIFIC_PID", "workerId")
+
+
+def _worker_id(request: Request) -> str | None:
+    for name in WORKER_PARAMETERS:
+        value = request.query_params.get(name)
+        if value:
+            return value
+    return None
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -289,13 +301,29 @@ def create_app(server: StudyServer) -> FastAPI:
         return HTMLResponse(pages["landing.html"])
 
     @app.get("/r/{token}", response_class=HTMLResponse)
-    def rater_page(token: str) -> HTMLResponse:
-        with Session() as session:
+    def rater_page(token: str, request: Request) -> HTMLResponse:
+        worker = _worker_id(request)
+        with Session.begin() as session:
             try:
-                rating.get_rater(session, study_id, token)
-            except rating.UnknownRater:
+                rater = rating.get_rater(session, study_id, token)
+                if worker is not None:
+                    rating.claim_for_worker(rater, worker)
+            except rating.RatingError:
                 return HTMLResponse(pages["refused.html"], status_code=403)
         return HTMLResponse(pages["rater.html"])
+
+    @app.get("/c/{crowd}")
+    def crowd_link(crowd: str, request: Request) -> Response:
+        """The study link of a crowd platform: one rater per worker id, then their page."""
+        if not config.crowd_raters or not secrets.compare_digest(crowd.encode(),
+                                                                 config.crowd_token.encode()):
+            raise HTTPException(404, "not found")
+        worker = _worker_id(request)
+        if worker is None:
+            raise HTTPException(400, "worker_id: the link needs ?worker_id=YOUR_WORKER_ID")
+        token = rating.crowd_rater(Session, study_id, worker, config.crowd_raters,
+                                   config.invite_days)
+        return RedirectResponse(f"/r/{token}", status_code=303)
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -307,10 +335,19 @@ def create_app(server: StudyServer) -> FastAPI:
             select(Item.id).where(Item.study_id == study_id, Item.kind == "practice",
                                   Item.excluded.is_(False)))))
 
+    def completion(stage: str) -> dict:
+        """The completion code (and link) for raters who finished, for crowd platforms."""
+        if stage not in ("done", "released") or not config.completion_code:
+            return {}
+        return {"completion_code": config.completion_code,
+                "completion_url": config.completion_url or None}
+
     def state_of(session, rater) -> dict:  # noqa: ANN001
-        return {"stage": rating.stage(session, rater), "progress": rating.progress(session, rater),
+        stage = rating.stage(session, rater)
+        return {"stage": stage, "progress": rating.progress(session, rater),
                 "questions": questions, "practice_items": n_practice,
-                "load_timeout": server.load_timeout, "max_comment": rating.MAX_COMMENT}
+                "load_timeout": server.load_timeout, "max_comment": rating.MAX_COMMENT,
+                **completion(stage)}
 
     @app.get("/api/r/{token}/state")
     def state(token: str) -> dict:
@@ -329,8 +366,9 @@ def create_app(server: StudyServer) -> FastAPI:
             rater = rating.get_rater(session, study_id, token, touch=True)
             assignment = rating.current(session, rater)
             if assignment is None:
-                return {"done": True, "stage": rating.stage(session, rater),
-                        "progress": rating.progress(session, rater)}
+                stage = rating.stage(session, rater)
+                return {"done": True, "stage": stage, "progress": rating.progress(session, rater),
+                        **completion(stage)}
             item = assignment.item
             shown = rating.served_media(session, assignment, media_root)
             return {"done": False, "assignment": assignment.token, "prompt": item.prompt,

@@ -152,6 +152,9 @@ class Rater(Base):
     exclusion_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     #: The invite stops working after this time (None: never).
     expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    #: The crowd platform's worker id (e.g. Prolific's PROLIFIC_PID), from the link's
+    #: ``worker_id`` parameter; an invite belongs to the first worker id it was opened with.
+    worker_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
 
 
 class Assignment(Base):

@@ -86,6 +86,13 @@ class StudyConfig:
     fast_vote_margin: float = 3.0
     #: Invite links stop working this many days after they are made (0: never).
     invite_days: float = 30.0
+    #: Crowd platforms: the study link ``/c/CROWD_TOKEN?worker_id=ID`` makes one rater per
+    #: worker id, at most ``crowd_raters`` of them (0: no crowd link); raters who finish are
+    #: shown ``completion_code`` (and a link to ``completion_url``, if set).
+    crowd_raters: int = 0
+    crowd_token: str = ""
+    completion_code: str = ""
+    completion_url: str = ""
 
     def validate(self) -> None:
         if not self.name.strip():
@@ -129,6 +136,10 @@ class StudyConfig:
             raise InputError("--fast-vote-margin must be 0 or positive")
         if self.invite_days < 0:
             raise InputError("--invite-days must be 0 (never expire) or positive")
+        if self.crowd_raters < 0:
+            raise InputError("--crowd-raters must be 0 (no crowd link) or positive")
+        if self.completion_url and not self.completion_url.startswith(("https://", "http://")):
+            raise InputError("--completion-url must be an http(s) URL")
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -650,3 +650,54 @@ def test_request_bodies_are_limited_and_released_raters_are_told_so(runs, tmp_pa
         assert r.status_code == 200
     rows = dict(db_rows(study, "SELECT label, expires_at FROM raters"))
     assert rows[label] is not None and rows["rater-002"] is None
+
+
+def test_crowd_link_worker_ids_completion_code_and_export(runs, tmp_path):
+    """Crowd platforms: one study link with the worker id; one rater per worker id, at most
+    --crowd-raters; an invite opened by one worker id refuses another; who finishes gets the
+    completion code (and the platform's link); every exported vote carries its worker id."""
+    from fastapi.testclient import TestClient
+
+    from attnqat.eval import serve
+
+    url = "https://app.prolific.com/submissions/complete?cc=C0DE42"
+    study = build(runs, tmp_path / "study", "--pairs", "attnqat:bf16", "--raters", "1",
+                  "--crowd-raters", "2", "--completion-code", "C0DE42", "--completion-url", url,
+                  "--items-per-rater", "2")
+    config = json.loads((study / "study.json").read_text())
+    crowd = config["crowd_token"]
+    ((_, invite),) = invites(study)
+    server = serve.open_study(study, admin_password="pw")
+    with TestClient(serve.create_app(server), follow_redirects=False) as http:
+        r = http.get(f"/c/{crowd}?PROLIFIC_PID=worker_A")
+        assert r.status_code == 303 and r.headers["location"].startswith("/r/")
+        token_a = r.headers["location"][3:]
+        assert http.get(f"/c/{crowd}?worker_id=worker_A").headers["location"] == f"/r/{token_a}"
+        assert http.get(f"/c/{crowd}?worker_id=worker_B").status_code == 303
+        r = http.get(f"/c/{crowd}?worker_id=worker_C")  # the quota of two workers is reached
+        assert r.status_code == 403 and "all the workers" in r.json()["error"]
+        assert http.get(f"/c/{crowd}").status_code == 400
+        assert http.get("/c/wrong?worker_id=x").status_code == 404
+        assert http.get(f"/c/{crowd}?worker_id=<script>").status_code == 422
+        # A personal invite takes the worker id it is first opened with, and only that one.
+        assert http.get(f"/r/{invite}?worker_id=worker_D").status_code == 200
+        assert http.get(f"/r/{invite}?worker_id=worker_E").status_code == 403
+        assert http.get(f"/r/{invite}").status_code == 200
+        # worker A rates everything and gets the completion code.
+        state = http.post(f"/api/r/{token_a}/start").json()
+        assert "completion_code" not in state
+        while not (cur := http.get(f"/api/r/{token_a}/current").json())["done"]:
+            body = {"assignment": cur["assignment"], "overall": "tie",
+                    "criteria": {k: "tie" for k in CRIT_KEYS}}
+            assert http.post(f"/api/r/{token_a}/vote", json=body).status_code == 200
+        assert cur["completion_code"] == "C0DE42" and cur["completion_url"] == url
+        state = http.get(f"/api/r/{token_a}/state").json()
+        assert state["stage"] == "done" and state["completion_code"] == "C0DE42"
+        rows = list(csv.DictReader(http.get("/admin/api/export/votes.csv",
+                                            auth=("a", "pw")).text.splitlines()))
+        assert rows and list(rows[0])[:3] == ["vote_id", "rater", "worker_id"]
+        assert {r["worker_id"] for r in rows} == {"worker_A"}
+        progress = http.get("/admin/api/progress", auth=("a", "pw")).json()
+        assert {r["worker_id"] for r in progress["raters"]} == {"worker_A", "worker_B", "worker_D"}
+        results = http.get("/admin/api/results", auth=("a", "pw")).json()
+        assert "crowd_token" not in results["config"]
