@@ -701,3 +701,65 @@ def test_crowd_link_worker_ids_completion_code_and_export(runs, tmp_path):
         assert {r["worker_id"] for r in progress["raters"]} == {"worker_A", "worker_B", "worker_D"}
         results = http.get("/admin/api/results", auth=("a", "pw")).json()
         assert "crowd_token" not in results["config"]
+
+
+def test_scripted_raters_cannot_dodge_checks_and_the_report_warns(runs, tmp_path):
+    """The audit's scripted raters, re-run through the HTTP API: a bot that decodes each served
+    pair, reports the pairs whose halves are identical (the identical checks) as broken and
+    votes at random otherwise, next to careful raters. Reporting a check counts as failing it,
+    so the bot is excluded; when exclusions leave items short of their planned raters the
+    report says so."""
+    import random
+
+    from fastapi.testclient import TestClient
+
+    from attnqat.eval import serve
+    from attnqat.video import read_mp4
+
+    study = build(runs, tmp_path / "study", "--pairs", "attnqat:bf16", "--raters", "3",
+                  "--ratings-per-item", "3", "--check-fraction", "0.5", "--n-boot", "0")
+    width = json.loads((study / "study.json").read_text())["encode"]["width"]
+    server = serve.open_study(study, admin_password="pw")
+    con = sqlite3.connect(study / "study.db")
+    expected = dict(con.execute("SELECT a.token, i.expected FROM assignments a JOIN items i ON "
+                                "i.id = a.item_id"))
+
+    def halves_identical(http, video: str) -> bool:
+        path = tmp_path / "pair.mp4"
+        path.write_bytes(http.get(video).content)
+        frames, _ = read_mp4(path)
+        frames = frames.astype(float)
+        left = frames[:, :, media.EDGE:media.EDGE + width]
+        right = frames[:, :, -media.EDGE - width:frames.shape[2] - media.EDGE]
+        return float(abs(left - right).mean()) < 2.0
+
+    rng = random.Random(0)
+    (_, careful_1), (_, careful_2), (bot_label, bot) = invites(study)
+    with TestClient(serve.create_app(server)) as http:
+        for token in (careful_1, careful_2, bot):
+            http.post(f"/api/r/{token}/start")
+            while not (cur := http.get(f"/api/r/{token}/current").json())["done"]:
+                a = cur["assignment"]
+                if token == bot and halves_identical(http, cur["video"]):
+                    r = http.post(f"/api/r/{token}/report", json={"assignment": a,
+                                                                   "reason": "not_loading"})
+                    assert r.status_code == 200
+                    continue
+                if token == bot:
+                    click = rng.choice(["left", "right"])
+                else:  # careful: the check's answer, else "about the same"
+                    exp = expected.get(a) or "tie"
+                    a_on_left = con.execute("SELECT a_on_left FROM assignments WHERE token = ?",
+                                            (a,)).fetchone()[0]
+                    click = "tie" if exp == "tie" else (
+                        "left" if (exp == "a") == bool(a_on_left) else "right")
+                body = {"assignment": a, "overall": click,
+                        "criteria": {k: "tie" for k in CRIT_KEYS}}
+                assert http.post(f"/api/r/{token}/vote", json=body).status_code == 200
+        results = http.get("/admin/api/results", auth=("a", "pw")).json()
+    con.close()
+    bot_row = results["raters"][bot_label]
+    assert bot_row["checks_answered"] >= 1 and bot_label in results["excluded_raters"]
+    assert bot_row["checks_correct"] < bot_row["checks_answered"]
+    assert len(results["excluded_raters"]) == 1
+    assert any("fewer than the planned 3 rating(s)" in w for w in results["warnings"])
