@@ -342,6 +342,12 @@ def print_summary(analysis: dict) -> None:
         print("  " + verdict_line(pair, overall))
         for w in overall.get("warnings", []):
             print(f"    warning: {w}")
+    ranking = analysis.get("ranking")
+    if ranking and ranking.get("methods"):
+        print("  Bradley–Terry ranking: " + ", ".join(
+            f"{name} {m['score']:.0f} [{m['interval'][0]:.0f}, {m['interval'][1]:.0f}]"
+            if not _missing(m["interval"][0]) else f"{name} {m['score']:.0f}"
+            for name, m in ranking["methods"].items()))
     for w in analysis.get("warnings", []):
         print(f"  warning: {w}")
 

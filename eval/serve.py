@@ -28,8 +28,10 @@ Rater (``TOKEN`` = invite token; unknown or withdrawn tokens get [403]):
   organiser.
 
 Media and pages: ``GET /media/NAME.mp4`` (only names of this study's videos, from its media
-folder; Range requests supported; no ETag or Last-Modified), ``GET /r/TOKEN`` (rater page),
-``GET /`` (enter a code), ``GET /healthz``.
+folder; Range requests supported; no ETag or Last-Modified), ``GET /r/TOKEN`` (rater page;
+``?worker_id=ID`` ties the invite to a crowd worker), ``GET /c/CROWD_TOKEN?worker_id=ID`` (the
+crowd study link: one rater per worker id, redirected to their page), ``GET /`` (enter a code),
+``GET /healthz``. Request bodies over :data:`MAX_BODY_BYTES` get [413].
 
 Admin (HTTP basic auth, any user name, the admin password): ``GET /admin`` (page),
 ``GET /admin/api/progress``, ``GET /admin/api/results``, ``GET /admin/api/votes``,
