@@ -53,9 +53,10 @@ class StudyConfig:
     items_per_rater: int = 0  # 0: every main item that still needs ratings
     check_fraction: float = 0.1
     practice_items: int = 2
-    #: Margin δ on the net preference Δ = win share − lose share (Δ ∈ [−1, 1]), tested on
-    #: per-prompt means at level ``alpha``. ``equivalence`` (TOST): "as good as" means
-    #: −δ < Δ < δ; ``non-inferiority``: "not worse than" means Δ > −δ.
+    #: Margin δ on the net preference Δ = win share − lose share (Δ ∈ [−1, 1]), tested by a
+    #: score test for paired win/tie/lose votes, prompt-clustered, at level ``alpha``.
+    #: ``equivalence`` (two one-sided tests): "as good as" means −δ < Δ < δ;
+    #: ``non-inferiority``: "not worse than" means Δ > −δ.
     equivalence_margin: float = 0.1
     test: str = "equivalence"
     alpha: float = 0.05
@@ -164,7 +165,7 @@ def add_margin_arguments(parser) -> None:  # noqa: ANN001 - argparse.ArgumentPar
                         help="margin δ on the net preference Δ = win share − lose share (0.1 = 10 "
                              "percentage points)")
     parser.add_argument("--test", choices=TESTS, default="equivalence",
-                        help="the claim: equivalence ('as good as': −δ < Δ < δ, TOST) or "
+                        help="the claim: equivalence ('as good as': −δ < Δ < δ, two one-sided tests) or "
                              "non-inferiority ('not worse than': Δ > −δ)")
     parser.add_argument("--non-inferiority", dest="test", action="store_const",
                         const="non-inferiority", default=argparse.SUPPRESS,
