@@ -289,6 +289,8 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig,
         comparisons = [(v.method_a, v.method_b, v.outcome("overall"), v.prompt) for v in kept
                        if "overall" in v.answers and (v.method_a, v.method_b) in config.pairs]
         try:
+            if not comparisons:
+                raise ValueError("no votes to rank the methods by")
             ranking = stats.bradley_terry_ranking(comparisons, anchor=anchor,
                                                   n_boot=config.n_boot, seed=config.seed,
                                                   confidence=config.confidence)

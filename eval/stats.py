@@ -421,6 +421,8 @@ def bradley_terry_ranking(comparisons: Sequence[tuple[str, str, str, Hashable]],
     ties count half a win to each side. Scores are Elo-like points with ``anchor`` (e.g. the
     BF16 reference) at 1000, else the mean at 1000; intervals are percentile intervals over
     ``n_boot`` resamples of prompts (whole clusters of votes), each refitted."""
+    if not comparisons:
+        raise ValueError("no votes to rank the methods by")
     methods = sorted({m for a, b, _, _ in comparisons for m in (a, b)})
     index = {m: i for i, m in enumerate(methods)}
     prompts = list(dict.fromkeys(c for *_, c in comparisons))

@@ -279,7 +279,8 @@ def test_failed_build_leaves_no_half_study(generated, tmp_path):
     config = StudyConfig(name="s", pairs=[("nvfp4", "bf16")], check_fraction=0, practice_items=0,
                          encode={"width": 64, "height": 64, "fps": 8.0, "frames": 17})
     from attnqat.eval.media import MediaError
-    with pytest.raises(MediaError, match="ffmpeg failed"):
+    # Every source is probed first (for the length warnings), so the broken clip is named there.
+    with pytest.raises(MediaError, match=f"cannot read clip {broken}"):
         build_study(bad, out, config, progress=False)
     assert not out.exists()
 
