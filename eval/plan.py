@@ -227,7 +227,9 @@ def run(args: argparse.Namespace) -> int:
     if args.simulate < 0:
         return _fail("--simulate must be 0 or positive")
     if args.size_table:
-        print(f"exact size (%) of the {args.test} test at Δ = ±{args.equivalence_margin:g}, "
+        where = (f"Δ = ±{args.equivalence_margin:g}" if args.test == "equivalence"
+                 else f"Δ = −{args.equivalence_margin:g}")
+        print(f"exact size (%) of the {args.test} test at {where}, "
               f"nominal α = {args.alpha:g}, one vote per prompt (— : the tie share leaves "
               "no room for |Δ| = margin)")
         print(size_table(args.equivalence_margin, args.alpha, args.test,
