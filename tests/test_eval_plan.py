@@ -71,3 +71,12 @@ def test_cli_plan_prints_the_sample_size(capsys):
                          (["--prompts", "1"], "--prompts")]:
         assert cli_main(["eval", "plan", *bad]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_cli_size_table(capsys):
+    assert cli_main(["eval", "plan", "--size-table", "--prompts", "60"]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| 60 |")][0]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 22 and cells[-2] == "—"  # 95 % ties: no null to test
+    assert float(cells[-1].strip("*")) <= 5.5
