@@ -83,7 +83,7 @@ def write_mp4(frames, path: str | Path, fps: float, *, crf: int = 17) -> Path:
               .output(str(path), vcodec="libx264", pix_fmt="yuv420p", crf=crf, r=str(rate),
                       preset="medium", movflags="+faststart")
               .overwrite_output()
-              .global_args("-hide_banner", "-loglevel", "error"))
+              .global_args("-nostdin", "-hide_banner", "-loglevel", "error"))
     try:
         stream.run(cmd=ffmpeg_exe(), input=arr.tobytes(), capture_stdout=True, capture_stderr=True)
     except ffmpeg.Error as exc:
@@ -193,12 +193,13 @@ def drawtext_font() -> str | None:
     font = _font_file()
     if font is None:
         return None
-    cmd = [ffmpeg_exe(), "-hide_banner", "-loglevel", "error", "-f", "lavfi", "-i",
+    cmd = [ffmpeg_exe(), "-nostdin", "-hide_banner", "-loglevel", "error", "-f", "lavfi", "-i",
            "color=c=black:s=32x16:d=0.1", "-vf",
            f"drawtext=fontfile={font}:text=ok:fontcolor=white:fontsize=8", "-frames:v", "1",
            "-f", "null", "-"]
     try:
-        ok = subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
+        ok = subprocess.run(cmd, capture_output=True, stdin=subprocess.DEVNULL,
+                            timeout=30).returncode == 0
     except (OSError, subprocess.SubprocessError):
         ok = False
     return font if ok else None
@@ -277,7 +278,7 @@ def side_by_side(videos: Mapping[str, str | Path], out: str | Path, *, fps: floa
         joined = panels[0] if len(panels) == 1 else ffmpeg.filter(panels, "hstack", inputs=len(panels))
         stream = (joined.output(str(out), vcodec="libx264", pix_fmt="yuv420p", crf=crf, r=str(rate),
                                 movflags="+faststart")
-                  .overwrite_output().global_args("-hide_banner", "-loglevel", "error"))
+                  .overwrite_output().global_args("-nostdin", "-hide_banner", "-loglevel", "error"))
         try:
             stream.run(cmd=ffmpeg_exe(), capture_stdout=True, capture_stderr=True)
         except ffmpeg.Error as exc:

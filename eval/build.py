@@ -16,6 +16,7 @@ With inputs, ``--sample N`` keeps N prompts drawn from those the inputs have (re
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 from pathlib import Path
 
@@ -63,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-checks", type=int, default=1,
                         help="exclusion rule: only raters with at least this many answered check "
                              "items can be excluded")
+    parser.add_argument("--required-checks", type=int, default=2,
+                        help="exclusion rule: raters who answered fewer check items than this are "
+                             "excluded (a reported check counts as a wrong answer); each rater's "
+                             "queue holds at least this many checks")
+    parser.add_argument("--repeat-checks", type=int, default=2,
+                        help="main items each rater sees twice, sides swapped (a consistency "
+                             "check: opposite answers count as a failed check); 0 disables")
     parser.add_argument("--n-boot", type=int, default=2000,
                         help="bootstrap resamples (of prompts) for the report's intervals")
     parser.add_argument("--seed", type=int, default=0,
@@ -76,6 +84,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fast-vote-margin", type=float, default=3.0, metavar="SECONDS",
                         help="a vote less than this many seconds after one play-through is fast; "
                              "raters with mostly fast votes are flagged in the report")
+    parser.add_argument("--invite-days", type=float, default=30.0, metavar="DAYS",
+                        help="invite links stop working this many days after they are made (0: "
+                             "never)")
+    parser.add_argument("--crowd-raters", type=int, default=0, metavar="N",
+                        help="crowd platforms (Prolific, MTurk): make a study link "
+                             "/c/CROWD_TOKEN?worker_id=ID that creates one rater per worker id, "
+                             "at most N (0: no crowd link)")
+    parser.add_argument("--completion-code", default=None,
+                        help="code shown to raters who finish (crowd platforms' completion "
+                             "code); if omitted, a random one")
+    parser.add_argument("--completion-url", default="",
+                        help="link shown with the completion code, e.g. "
+                             "https://app.prolific.com/submissions/complete?cc=CODE")
     parser.add_argument("--raters", type=int, default=0,
                         help="rater invites to create now (more can be added in the admin view)")
     parser.add_argument("--qp", type=int, default=18,
@@ -141,9 +162,15 @@ def run(args: argparse.Namespace) -> int:
             check_fraction=args.check_fraction, practice_items=args.practice,
             equivalence_margin=args.equivalence_margin, test=args.test, alpha=args.alpha,
             min_prompts=args.min_prompts, min_check_accuracy=args.min_check_accuracy,
-            min_checks=args.min_checks, n_boot=args.n_boot, seed=args.seed,
+            min_checks=args.min_checks, required_checks=args.required_checks,
+            repeat_checks=args.repeat_checks,
+            n_boot=args.n_boot, seed=args.seed,
             release_after_minutes=args.release_after, min_view_factor=args.min_view,
-            fast_vote_margin=args.fast_vote_margin)
+            fast_vote_margin=args.fast_vote_margin, invite_days=args.invite_days,
+            crowd_raters=args.crowd_raters,
+            crowd_token=secrets.token_urlsafe(16) if args.crowd_raters else "",
+            completion_code=args.completion_code or secrets.token_hex(4).upper(),
+            completion_url=args.completion_url)
         if args.raters < 0:
             return _fail("--raters must be 0 or positive")
         if not 0 <= args.qp <= 51:
@@ -158,6 +185,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"study {result.name!r} in {result.out_dir}: {counts} items; {result.n_videos} "
           f"side-by-side videos ({st.pair_size[0]}x{st.pair_size[1]}, {st.frames} frames at "
           f"{st.fps:g} fps) of {result.video_size} bytes each")
+    if config.crowd_raters:
+        print(f"crowd link (up to {config.crowd_raters} workers): "
+              f"/c/{config.crowd_token}?worker_id=WORKER_ID on the rater app; completion code "
+              f"{config.completion_code}")
+    for warning in result.warnings:
+        print(f"warning: {warning}")
     print(f"database: {result.db_url}")
     if result.invites:
         print(f"{len(result.invites)} rater invites in {result.out_dir / 'invites.csv'} "

@@ -8,7 +8,7 @@ are case-insensitive; only ``overall`` is required):
 * ``visual_quality``, ``motion``, ``text_alignment``: the same, for the criteria (optional; empty
   cells are unanswered);
 * ``method_a``, ``method_b``: the pair (or give ``--pair A:B`` for every row);
-* ``prompt`` (and ``seed``): what the bootstrap and the per-prompt t-test group by. Without it,
+* ``prompt`` (and ``seed``): what the bootstrap and the clustered margin test group by. Without it,
   every vote counts as a prompt of its own — the design of a study with one vote per prompt,
   like the paper's 16 / 64 / 19 over 99 prompts;
 * ``rater``: who voted (agreement and the check rule need it; without it every vote is a rater
@@ -76,7 +76,12 @@ def read_votes(path: str | Path, pair: tuple[str, str] | None = None) -> list[Vo
             def get(name: str, default: str = "") -> str:
                 key = columns.get(name)
                 value = raw.get(key) if key is not None else None
-                return default if value is None else str(value).strip()
+                if value is None:
+                    return default
+                value = str(value)
+                if value[:1] == "'" and value[1:2] in ("=", "+", "-", "@", "\t", "\r"):
+                    value = value[1:]  # our export's formula guard
+                return value.strip()
 
             answers, both_bad = {}, False
             for q in QUESTIONS:
@@ -136,7 +141,8 @@ def read_votes(path: str | Path, pair: tuple[str, str] | None = None) -> list[Vo
                     n, rater, item_id, kind, prompt, seed, method_a, method_b, expected,
                     left if left_is_a is not None else None,
                     right if left_is_a is not None else None, left_is_a, None, None,
-                    dict(answers), sides, both_bad, get("comment") or None, view))
+                    dict(answers), sides, both_bad, get("comment") or None, view,
+                    worker_id=get("worker_id") or None))
     if not votes:
         raise InputError(f"{path}: no votes" + (f" for the pair {pair[0]}:{pair[1]}" if pair else ""))
     return votes

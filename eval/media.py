@@ -32,13 +32,13 @@ from __future__ import annotations
 import os
 import re
 import struct
+import subprocess
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import ffmpeg
-import imageio_ffmpeg
 
 from attnqat.video import ffmpeg_exe
 
@@ -73,12 +73,19 @@ def probe(path: str | Path) -> VideoInfo:
     path = Path(path)
     if not path.is_file():
         raise MediaError(f"clip not found: {path}")
+    # ffmpeg with an input and no output parses the header, prints it and exits: nothing to
+    # stop (closing imageio-ffmpeg's frame reader early killed ffmpeg and logged "We had to
+    # kill ffmpeg to stop it." for every clip of a build).
+    from imageio_ffmpeg._parsing import parse_ffmpeg_header
+
+    done = subprocess.run([ffmpeg_exe(), "-nostdin", "-hide_banner", "-i", str(path)],
+                          stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+    text = done.stderr.decode("utf-8", "replace")
     try:
-        reader = imageio_ffmpeg.read_frames(str(path))
-        meta = next(reader)
-        reader.close()
-    except Exception as exc:  # imageio-ffmpeg raises plain RuntimeError/OSError
-        raise MediaError(f"cannot read clip {path}: {exc}") from exc
+        meta = parse_ffmpeg_header(text)
+    except Exception as exc:  # noqa: BLE001 - not a video ffmpeg can read
+        detail = text.strip().splitlines()[-1] if text.strip() else str(exc)
+        raise MediaError(f"cannot read clip {path}: {detail}") from exc
     width, height = meta["size"]
     return VideoInfo(int(width), int(height), float(meta.get("fps") or 0.0),
                      float(meta.get("duration") or 0.0))
@@ -150,12 +157,19 @@ def common_settings(infos: Sequence[VideoInfo], qp: int = 18, preset: str = "med
     return EncodeSettings(_even(w), _even(h), float(fps), frames, qp=qp, preset=preset)
 
 
+#: Temporal noise (ffmpeg ``noise`` filter strength) of a degraded side unless the build
+#: calibrates it (see :func:`attnqat.eval.study.build_study`).
+DEGRADE_NOISE = 40.0
+
+
 @dataclass(frozen=True)
 class Side:
-    """One half of a served pair: a source clip, optionally degraded (a check item's bad side)."""
+    """One half of a served pair: a source clip, optionally degraded (a check item's bad side)
+    with temporal noise of strength ``noise`` on top of the lost detail."""
 
     path: Path
     degrade: bool = False
+    noise: float = DEGRADE_NOISE
 
 
 def _clip_stream(side: Side, settings: EncodeSettings, degrade_strength: int = 4):
@@ -166,7 +180,8 @@ def _clip_stream(side: Side, settings: EncodeSettings, degrade_strength: int = 4
         s = max(2, int(degrade_strength))
         stream = stream.filter("scale", _even(settings.width // s), _even(settings.height // s))
         stream = stream.filter("scale", settings.width, settings.height, flags="neighbor")
-        stream = stream.filter("noise", alls=40, allf="t+u")
+        if side.noise > 0:
+            stream = stream.filter("noise", alls=int(round(side.noise)), allf="t+u")
     stream = stream.filter("scale", settings.width, settings.height)
     stream = stream.filter("fps", fps=settings.fps)
     stream = stream.filter("setsar", 1)

@@ -1,15 +1,17 @@
 """``attnqat eval plan``: how many prompts a study needs for its margin test to succeed.
 
-The study's verdict is a t-test on per-prompt mean scores (:mod:`attnqat.eval.stats`), so its
-power follows from the spread of those means:
+The study's verdict is the score test of :func:`attnqat.eval.stats.margin_test_counts` on the
+net preference Δ = win share − lose share. Its power:
 
-* one vote scores +1 / 0 / −1 (win / tie / lose for A); with a tie share ``t`` and a true net
-  preference Δ, its variance is (1 − t) − Δ²;
-* a prompt rated by ``k`` raters averages k votes; with an intra-prompt correlation ``icc`` (raters
-  of one prompt agree more than chance) the variance of that mean is var·(1 + (k − 1)·icc)/k;
-* equivalence (TOST): power = P(both one-sided t-tests reject), approximated from the noncentral
-  t distribution as P(lower rejects) + P(upper rejects) − 1 (the usual bound; close whenever the
-  power is worth having); non-inferiority: P(lower rejects), exact.
+* with one vote per prompt (the default plan), **exact**: the probability of a verdict summed
+  over every (W, T, L) the study could see (:func:`attnqat.eval.stats.verdict_probability`),
+  for true shares (win, tie, lose) = ((1 − t + Δ)/2, t, (1 − t − Δ)/2);
+* with several raters per prompt, from the normal approximation of the same statistic: a vote
+  scores +1 / 0 / −1 with variance (1 − t) − Δ²; ``k`` votes of one prompt with intra-prompt
+  correlation ``icc`` inflate the variance of the total by the design effect 1 + (k − 1)·icc
+  (``--sd``, a pilot's SD of per-prompt mean scores, gives the design effect directly); the null
+  variance at ±δ is the test's own (restricted maximum-likelihood shares).
+  Equivalence power is P(lower rejects) + P(upper rejects) − 1 (the usual bound).
 
 ``--simulate N`` checks the figure by simulating N studies of discrete votes (prompt-level
 Dirichlet-multinomial draws for ``icc`` > 0) through the same analysis code as the report,
@@ -21,10 +23,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats as _st
+from tqdm.auto import tqdm
 
 from . import stats
 from .study import TESTS, add_margin_arguments
@@ -49,43 +53,78 @@ def prompt_sd(sd_vote: float, raters: int = 1, icc: float = 0.0) -> float:
     return sd_vote * math.sqrt((1 + (raters - 1) * icc) / raters)
 
 
-def power(n: int, margin: float, sd: float, alpha: float = 0.05, delta: float = 0.0,
-          test: str = "equivalence") -> float:
-    """Power of the margin test on ``n`` per-prompt means with standard deviation ``sd``."""
+#: Largest study whose power with one vote per prompt is enumerated exactly.
+EXACT_LIMIT = 1500
+
+
+def _shares(ties: float, delta: float) -> tuple[float, float, float]:
+    return ((1 - ties + delta) / 2, ties, (1 - ties - delta) / 2)
+
+
+def power(n: int, margin: float, ties: float, alpha: float = 0.05, delta: float = 0.0,
+          test: str = "equivalence", raters: int = 1, icc: float = 0.0,
+          sd: float | None = None) -> float:
+    """Power of the study's margin test with ``n`` prompts (see the module docstring)."""
     if test not in TESTS:
         raise ValueError(f"test must be one of {', '.join(TESTS)}")
-    if n < 2 or sd <= 0 or margin <= 0:
+    sd_v = vote_sd(ties, delta)  # validates the tie share and Δ
+    if n < 2 or margin <= 0:
         return 0.0
-    se = sd / math.sqrt(n)
-    df = n - 1
-    tc = float(_st.t.ppf(1 - alpha, df))
-    lower = float(_st.nct.sf(tc, df, (delta + margin) / se))  # rejects mean <= -margin
+    if raters == 1 and icc == 0 and sd is None and n <= EXACT_LIMIT:
+        return stats.verdict_probability(n, _shares(ties, delta), margin, alpha, test)
+    votes = n * raters
+    v1 = sd_v * sd_v
+    if sd is not None:
+        deff = max(1.0, sd * sd * raters / v1) if v1 > 0 else float(raters)
+    else:
+        deff = 1 + (raters - 1) * icc
+    if v1 <= 0:
+        return 0.0
+    z = float(_st.norm.ppf(1 - alpha))
+    w, _, l_ = (votes * x for x in _shares(ties, delta))
+    spread = math.sqrt(deff * votes * v1)
+
+    def rejects(delta0: float, sign: int) -> float:
+        q = float(stats.restricted_lose_share(w, l_, votes, delta0))
+        null_sd = math.sqrt(deff * votes * max(2 * q + delta0 * (1 - delta0), 0.0))
+        shift = sign * (votes * delta - votes * delta0) - stats.CONTINUITY - z * null_sd
+        return float(_st.norm.cdf(shift / spread))
+
+    lower = rejects(-margin, +1)  # rejects Δ <= -margin
     if test == "non-inferiority":
         return lower
-    upper = float(_st.nct.cdf(-tc, df, (delta - margin) / se))  # rejects mean >= +margin
-    return max(0.0, lower + upper - 1.0)
+    return max(0.0, lower + rejects(margin, -1) - 1.0)
 
 
-def prompts_needed(margin: float, sd: float, alpha: float = 0.05, delta: float = 0.0,
+def prompts_needed(margin: float, ties: float, alpha: float = 0.05, delta: float = 0.0,
                    test: str = "equivalence", target: float = 0.8, minimum: int = 2,
-                   limit: int = 1_000_000) -> int | None:
+                   limit: int = 1_000_000, raters: int = 1, icc: float = 0.0,
+                   sd: float | None = None) -> int | None:
     """The fewest prompts (at least ``minimum``) whose power reaches ``target``; None if even
-    ``limit`` prompts do not (e.g. a true Δ outside the margin)."""
+    ``limit`` prompts do not (e.g. a true Δ outside the margin). The exact power of a discrete
+    test is not monotone in n: the answer is the first n from which it stays at ``target`` for
+    the next 10 % of sizes checked."""
+    def pw(n: int) -> float:
+        return power(n, margin, ties, alpha, delta, test, raters, icc, sd)
+
     lo = max(2, minimum)
-    if power(lo, margin, sd, alpha, delta, test) >= target:
-        return lo
     hi = lo
-    while power(hi, margin, sd, alpha, delta, test) < target:
+    while pw(hi) < target:
         if hi >= limit:
             return None
         hi = min(limit, hi * 2)
-    while hi - lo > 1:  # power grows with n: bisect
+    while hi - lo > 1:
         mid = (lo + hi) // 2
-        if power(mid, margin, sd, alpha, delta, test) >= target:
+        if pw(mid) >= target:
             hi = mid
         else:
             lo = mid
-    return hi
+    n = hi
+    while n < limit and any(pw(m) < target for m in range(n + 1, n + 1 + max(1, n // 10), max(1, n // 50))):
+        n += 1
+        while pw(n) < target:
+            n += 1
+    return n
 
 
 def simulate_power(n: int, margin: float, ties: float, delta: float = 0.0, raters: int = 1,
@@ -102,8 +141,7 @@ def simulate_power(n: int, margin: float, ties: float, delta: float = 0.0, rater
             counts = np.array([rng.multinomial(raters, q / q.sum()) for q in probs])
         else:
             counts = rng.multinomial(raters, p, size=n)
-        means = (counts[:, 0] - counts[:, 2]) / raters
-        result = stats.margin_test(means, margin, alpha, test=test, min_n=min_prompts)
+        result = stats.margin_test_counts(counts, margin, alpha, test=test, min_n=min_prompts)
         passed += bool(result.passed)
     return passed / n_sim
 
@@ -111,7 +149,7 @@ def simulate_power(n: int, margin: float, ties: float, delta: float = 0.0, rater
 @dataclass
 class Plan:
     sd_vote: float
-    sd_prompt: float
+    design_effect: float
     prompts: int | None
     votes: int | None
 
@@ -121,9 +159,12 @@ def make_plan(margin: float, ties: float, delta: float = 0.0, raters: int = 1, i
               min_prompts: int = 10, sd: float | None = None) -> Plan:
     """Prompts (and votes) needed for ``target`` power under the stated assumptions."""
     sd_v = vote_sd(ties, delta)
-    sd_p = sd if sd is not None else prompt_sd(sd_v, raters, icc)
-    n = prompts_needed(margin, sd_p, alpha, delta, test, target, min_prompts)
-    return Plan(sd_v, sd_p, n, None if n is None else n * raters)
+    prompt_sd(sd_v, raters, icc)  # validates raters and icc
+    deff = (max(1.0, sd * sd * raters / (sd_v * sd_v)) if sd is not None and sd_v > 0
+            else 1 + (raters - 1) * icc)
+    n = prompts_needed(margin, ties, alpha, delta, test, target, min_prompts, raters=raters,
+                       icc=icc, sd=sd)
+    return Plan(sd_v, deff, n, None if n is None else n * raters)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -146,6 +187,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate", type=int, default=0, metavar="N",
                         help="check the power at the planned size by simulating N studies")
     parser.add_argument("--seed", type=int, default=0, help="seed of the simulation")
+    parser.add_argument("--size-table", action="store_true",
+                        help="print the exact type-I error of the margin test at the margin "
+                             "(one vote per prompt; 20, 60, 99, 200 prompts or --prompts; tie "
+                             "shares 0 … 95 %%) and exit")
+
+
+def size_table(margin: float, alpha: float, test: str, sizes: Sequence[int]) -> str:
+    """Markdown table of the exact size at the margin by number of prompts and tie share."""
+    ties = list(range(0, 100, 5))
+    lines = ["| prompts | " + " | ".join(f"{t} %" for t in ties) + " | max |",
+             "|---:|" + "---:|" * (len(ties) + 1)]
+    for n in tqdm(sizes, desc="enumerating", unit="size", leave=False):
+        row = [stats.margin_test_size(n, t / 100, margin, alpha, test) for t in ties]
+        cells = ["—" if r is None else f"{100 * r:.2f}" for r in row]
+        worst = max(r for r in row if r is not None)
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | **{100 * worst:.2f}** |")
+    return "\n".join(lines)
 
 
 def _fail(message: str) -> int:
@@ -168,6 +226,15 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--prompts must be at least 2")
     if args.simulate < 0:
         return _fail("--simulate must be 0 or positive")
+    if args.size_table:
+        where = (f"Δ = ±{args.equivalence_margin:g}" if args.test == "equivalence"
+                 else f"Δ = −{args.equivalence_margin:g}")
+        print(f"exact size (%) of the {args.test} test at {where}, "
+              f"nominal α = {args.alpha:g}, one vote per prompt (— : the tie share leaves "
+              "no room for |Δ| = margin)")
+        print(size_table(args.equivalence_margin, args.alpha, args.test,
+                         [args.prompts] if args.prompts else [20, 60, 99, 200]))
+        return 0
     try:
         plan = make_plan(args.equivalence_margin, args.ties, args.delta, args.raters_per_prompt, args.icc,
                          args.alpha, args.test, args.power, args.min_prompts, args.sd)
@@ -175,11 +242,14 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     claim = (f"−{args.equivalence_margin:g} < Δ < {args.equivalence_margin:g}" if args.test == "equivalence"
              else f"Δ > −{args.equivalence_margin:g}")
-    print(f"{args.test} test of {claim} at α = {args.alpha:g} on per-prompt mean scores")
+    print(f"{args.test} test of {claim} at α = {args.alpha:g} (score test of win − lose share)")
     if args.sd is None:
         print(f"assumed: {args.ties:.0%} ties, true Δ = {args.delta:+g}, "
               f"{args.raters_per_prompt} vote(s) per prompt, intra-prompt correlation {args.icc:g}")
-    print(f"SD of one vote: {plan.sd_vote:.3f}; SD of a prompt's mean: {plan.sd_prompt:.3f}")
+    exact = args.raters_per_prompt == 1 and args.icc == 0 and args.sd is None
+    print(f"SD of one vote: {plan.sd_vote:.3f}; design effect of votes sharing a prompt: "
+          f"{plan.design_effect:.2f}; power "
+          + ("exact (enumerated)" if exact else "from the normal approximation"))
     if plan.prompts is None:
         print(f"no number of prompts reaches {args.power:.0%} power (is |Δ| at least the margin?)")
     else:
@@ -188,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
     rows = sorted({n for n in (plan.prompts, args.prompts, 20, 50, 100, 200, 500) if n})
     print("prompts  power")
     for n in rows:
-        print(f"{n:7d}  {power(n, args.equivalence_margin, plan.sd_prompt, args.alpha, args.delta, args.test):.3f}")
+        p = power(n, args.equivalence_margin, args.ties, args.alpha, args.delta, args.test,
+                  args.raters_per_prompt, args.icc, args.sd)
+        print(f"{n:7d}  {p:.3f}")
     if args.simulate and (plan.prompts or args.prompts):
         n = args.prompts or plan.prompts
         if args.sd is not None:

@@ -31,6 +31,7 @@ duration after it was first shown).
 from __future__ import annotations
 
 import random
+import re
 import secrets
 import threading
 from collections.abc import Mapping
@@ -113,24 +114,69 @@ class InvalidVote(RatingError):
     status = 422
 
 
+class StudyFull(RatingError):
+    status = 403
+
+
 #: Serializes queue creation inside one server process (the database lock does across processes).
 _QUEUE_LOCK = threading.Lock()
 
 
-def add_raters(Session: sessionmaker, study_id: int, n: int, prefix: str = "rater"
-               ) -> list[tuple[str, str]]:
-    """Create ``n`` invites; returns (label, token) pairs. Labels number on from existing raters."""
+def add_raters(Session: sessionmaker, study_id: int, n: int, prefix: str = "rater",
+               expires_days: float | None = None) -> list[tuple[str, str]]:
+    """Create ``n`` invites; returns (label, token) pairs. Labels number on from existing raters.
+    ``expires_days`` > 0: the links stop working that many days from now."""
     if n < 0:
         raise ValueError("the number of raters must be non-negative")
+    expires = utcnow() + timedelta(days=expires_days) if expires_days else None
     out = []
     with Session.begin() as session:
         existing = session.scalar(select(func.count(Rater.id)).where(Rater.study_id == study_id)) or 0
         for k in range(n):
             label = f"{prefix}-{existing + k + 1:03d}"
             token = secrets.token_urlsafe(16)
-            session.add(Rater(study_id=study_id, token=token, label=label))
+            session.add(Rater(study_id=study_id, token=token, label=label, expires_at=expires))
             out.append((label, token))
     return out
+
+
+#: What a crowd platform's worker id may look like.
+WORKER_ID = re.compile(r"[A-Za-z0-9_.:@-]{1,128}")
+
+
+def claim_for_worker(rater: Rater, worker_id: str) -> None:
+    """Record the worker id an invite is opened with; an invite opened by another worker id
+    before is refused."""
+    if not WORKER_ID.fullmatch(worker_id):
+        raise InvalidVote("worker_id: 1 to 128 letters, digits or _ . : @ -")
+    if rater.worker_id is None:
+        rater.worker_id = worker_id
+    elif rater.worker_id != worker_id:
+        raise UnknownRater("this invite link belongs to another worker")
+
+
+def crowd_rater(Session: sessionmaker, study_id: int, worker_id: str, max_raters: int,
+                expires_days: float | None = None) -> str:
+    """The invite token of ``worker_id``'s rater, made on the first visit through the study's
+    crowd link (at most ``max_raters`` such raters: :class:`StudyFull` after that)."""
+    if not WORKER_ID.fullmatch(worker_id):
+        raise InvalidVote("worker_id: 1 to 128 letters, digits or _ . : @ -")
+    with _QUEUE_LOCK, Session.begin() as session:
+        session.execute(select(Study.id).where(Study.id == study_id).with_for_update())
+        rater = session.scalar(select(Rater).where(Rater.study_id == study_id,
+                                                   Rater.worker_id == worker_id))
+        if rater is not None:
+            return rater.token
+        crowd = session.scalar(select(func.count(Rater.id)).where(
+            Rater.study_id == study_id, Rater.label.like("worker-%"))) or 0
+        if crowd >= max_raters:
+            raise StudyFull("this study has all the workers it needs; thank you")
+        existing = session.scalar(select(func.count(Rater.id)).where(Rater.study_id == study_id)) or 0
+        token = secrets.token_urlsafe(16)
+        expires = utcnow() + timedelta(days=expires_days) if expires_days else None
+        session.add(Rater(study_id=study_id, token=token, label=f"worker-{existing + 1:03d}",
+                          worker_id=worker_id, expires_at=expires))
+        return token
 
 
 def get_rater(session: Session, study_id: int, token: str, *, touch: bool = False) -> Rater:
@@ -141,6 +187,8 @@ def get_rater(session: Session, study_id: int, token: str, *, touch: bool = Fals
         raise UnknownRater("unknown invite token")
     if rater.revoked_at is not None:
         raise UnknownRater("this invite has been withdrawn by the study organiser")
+    if rater.expires_at is not None and utcnow() > rater.expires_at:
+        raise UnknownRater("this invite has expired")
     if touch:
         rater.last_seen_at = utcnow()
     return rater
@@ -212,9 +260,12 @@ def _balanced_sides(items: list[Item], counts: Mapping[int, tuple[int, int]], rn
     return {it.id: i < n_left for i, it in enumerate(order)}
 
 
-def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = None) -> bool:
+def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = None, *,
+          release_after_minutes: float | None = None) -> bool:
     """The rater read the instructions: fix their queue (idempotent). False if the study has no
-    items left for them."""
+    items left for them. Stale queues of other raters are released first, after
+    ``release_after_minutes`` of inactivity (None: the study's declared value; the server passes
+    its own, which ``attnqat eval serve --release-after`` may override)."""
     with _QUEUE_LOCK, Session.begin() as session:
         # Serializes queue creation across server processes on databases with row locks.
         session.execute(select(Study.id).where(Study.id == study_id).with_for_update())
@@ -224,7 +275,9 @@ def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = N
         rater.started_at = utcnow()
         study = session.get(Study, study_id)
         config = study.config
-        release_inactive(session, study_id, float(config.get("release_after_minutes", 0) or 0))
+        if release_after_minutes is None:
+            release_after_minutes = float(config.get("release_after_minutes", 0) or 0)
+        release_inactive(session, study_id, release_after_minutes)
         rng = random.Random(seed if seed is not None else secrets.randbits(64))
         items = list(session.scalars(select(Item).where(Item.study_id == study_id,
                                                         Item.excluded.is_(False))
@@ -241,16 +294,33 @@ def start(Session: sessionmaker, study_id: int, token: str, seed: int | None = N
         n_checks_all = len(identical) + len(degraded)
         checks: list[Item] = []
         if n_checks_all:
-            n = max(1, round(len(chosen) * n_checks_all / max(1, len(main_all))))
+            n = max(1, int(config.get("required_checks", 0) or 0),
+                    round(len(chosen) * n_checks_all / max(1, len(main_all))))
             pools = [identical, degraded] if rng.random() < 0.5 else [degraded, identical]
             while len(checks) < min(n, n_checks_all):
                 for pool in pools:
                     if pool and len(checks) < n:
                         checks.append(pool.pop(0))
-        practice = [it for it in items if it.kind == "practice"]
+        # A practice pair some rater reported as not loading is not served to anyone again.
+        broken = set(session.scalars(select(Report.item_id).where(
+            Report.study_id == study_id, Report.reason == "not_loading")))
+        practice = [it for it in items if it.kind == "practice" and it.id not in broken]
         sides = {**_balanced_sides(chosen, counts, rng), **_balanced_sides(checks, counts, rng)}
-        queue = chosen + checks
+        repeats_of = {it.repeat_of: it for it in items if it.kind == "check_repeat"}
+        originals = [it for it in chosen if it.id in repeats_of]
+        rng.shuffle(originals)
+        repeats = [repeats_of[it.id] for it in originals[:int(config.get("repeat_checks", 0) or 0)]]
+        for rep in repeats:  # the same pair, the other way round
+            sides[rep.id] = not sides[rep.repeat_of]
+        queue = chosen + checks + repeats
         rng.shuffle(queue)
+        if repeats:  # never back to back with its original
+            for rep in repeats:
+                i = queue.index(rep)
+                j = queue.index(next(it for it in chosen if it.id == rep.repeat_of))
+                if abs(i - j) == 1 and len(queue) > 3:
+                    queue.remove(rep)
+                    queue.insert((max(i, j) + len(queue) // 2) % len(queue), rep)
         position = 0
         for it in practice:
             session.add(Assignment(token=secrets.token_urlsafe(12), rater_id=rater.id,
@@ -289,8 +359,9 @@ def progress(session: Session, rater: Rater) -> dict[str, int]:
 
 
 def stage(session: Session, rater: Rater) -> str:
-    """``instructions`` (not started), ``practice``, ``rating``, ``done``, or ``full`` (started,
-    but the study had nothing left to assign)."""
+    """``instructions`` (not started), ``practice``, ``rating``, ``done``, ``released`` (the
+    organiser gave the rest of the queue to others), or ``full`` (started, but the study had
+    nothing left to assign)."""
     if rater.started_at is None:
         return "instructions"
     if _queue_size(session, rater) == 0:
@@ -299,7 +370,11 @@ def stage(session: Session, rater: Rater) -> str:
     p = progress(session, rater)
     if p["practice_done"] < p["practice_total"]:
         return "practice"
-    return "rating" if p["done"] < p["total"] else "done"
+    if p["done"] < p["total"]:
+        return "rating"
+    released = session.scalar(select(func.count(Assignment.id)).where(
+        Assignment.rater_id == rater.id, Assignment.release_reason.in_(("released", "excluded"))))
+    return "released" if released else "done"
 
 
 def _reopen_inactive(session: Session, rater: Rater) -> int:
@@ -360,7 +435,8 @@ def served_media(session: Session, assignment: Assignment, media_dir: Path | Non
     study built before side-by-side serving, ``{"left": url, "right": url}``; and the seconds one
     play-through takes (``duration``; in such an older study the longer of its two clips, read
     once from the files in ``media_dir``; None when unknown)."""
-    video = session.scalar(select(Video).where(Video.item_id == assignment.item_id,
+    item_id = assignment.item.repeat_of or assignment.item_id
+    video = session.scalar(select(Video).where(Video.item_id == item_id,
                                                Video.a_on_left == assignment.a_on_left))
     if video is not None:
         return {"video": f"/media/{video.token}.mp4", "duration": video.duration_s}

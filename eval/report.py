@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import plots
-from .results import QUESTIONS, VoteRecord, analyze, json_safe, load_votes
+from .results import QUESTIONS, VoteRecord, analyze, json_safe, load_reports, load_votes
 from .storage import default_db_url, find_study, open_db
 from .study import StudyConfig
 
@@ -44,20 +44,27 @@ class Block:
     rows: Sequence[Sequence[str]] = ()
 
 
+def _md_text(text: object) -> str:
+    """Text for Markdown, where raw HTML would be rendered: ``&`` and ``<`` escaped (names,
+    prompts and exclusion reasons come from raters, organisers and imported files)."""
+    return str(text).replace("&", "&amp;").replace("<", "&lt;")
+
+
 def _md(blocks: Sequence[Block]) -> str:
     out = []
     for b in blocks:
         if b.kind in ("h1", "h2", "h3"):
-            out.append("#" * int(b.kind[1]) + " " + b.text)
+            out.append("#" * int(b.kind[1]) + " " + _md_text(b.text))
         elif b.kind == "p":
-            out.append(b.text)
+            out.append(_md_text(b.text))
         elif b.kind == "img":
             out.append(f"![{b.text}]({b.text})")
         elif b.kind == "table":
             header, *body = b.rows
-            out.append("| " + " | ".join(header) + " |")
+            out.append("| " + " | ".join(_md_text(c) for c in header) + " |")
             out.append("|" + "|".join("---" for _ in header) + "|")
-            out.extend("| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in body)
+            out.extend("| " + " | ".join(_md_text(c).replace("|", "\\|") for c in r) + " |"
+                       for r in body)
         out.append("")
     return "\n".join(out)
 
@@ -122,7 +129,8 @@ def _decision(mt: dict) -> str:
         f"> −{100 * mt['margin']:.0f} pp"
     if interval == NO_DATA:
         return f"{mt['verdict']}"
-    return f"{mt['verdict']}: {interval} vs {bound}, p = {_num(mt['p'], '.4f')}"
+    holm = "" if _missing(mt.get("p_holm")) else f", Holm p = {_num(mt['p_holm'], '.4f')}"
+    return f"{mt['verdict']}: {interval} vs {bound}, p = {_num(mt['p'], '.4f')}{holm}"
 
 
 def verdict_line(pair: str, summary: dict) -> str:
@@ -144,13 +152,16 @@ def report_blocks(analysis: dict) -> list[Block]:
     test = cfg.get("test", "equivalence")
     decide = 1 - 2 * cfg["alpha"]
     b: list[Block] = [Block("h1", f"Blind study: {analysis['study']}")]
-    claim = ("−δ < Δ < δ (TOST)" if test == "equivalence" else "Δ > −δ (one-sided)")
+    claim = ("−δ < Δ < δ (two one-sided tests)" if test == "equivalence"
+             else "Δ > −δ (one-sided)")
     b.append(Block("p", (
         f"Declared before the study: pairs {', '.join(f'{a} vs {b_}' for a, b_ in cfg['pairs'])}; "
         f"{cfg['ratings_per_item']} rating(s) per item; {test} test of {claim} on the net "
         f"preference Δ = win share − lose share, margin δ = {100 * cfg['equivalence_margin']:.0f} "
-        f"percentage points (pp), t-tests on per-prompt means at α = {cfg['alpha']}, decided by "
-        f"the {decide:.0%} interval; at least {cfg.get('min_prompts', 2)} prompts for a verdict; "
+        f"percentage points (pp), score tests for paired win/tie/lose data (Tango, with a "
+        f"continuity correction; variance inflated by the prompt-clustered design effect where "
+        f"raters share a prompt) at α = {cfg['alpha']}, decided by the {decide:.0%} score "
+        f"interval; at least {cfg.get('min_prompts', 2)} prompts for a verdict; "
         f"intervals {conf:.0%}, bootstrap {cfg['n_boot']} resamples of prompts (seed "
         f"{cfg['seed']}). Win/lose are from method A's view (A is the first method of each pair). "
         "Δ and all its intervals are in percentage points.")))
@@ -169,20 +180,45 @@ def report_blocks(analysis: dict) -> list[Block]:
     rows = [["rater", "main votes", "check items", "check accuracy", "median view time",
              "fast voter", "excluded"]]
     for name, r in sorted(analysis["raters"].items()):
-        excluded = "yes (checks)" if r["excluded"] else \
+        excluded = "yes (too few checks)" if r.get("too_few_checks") else \
+            "yes (checks)" if r["excluded"] else \
             "yes (organiser)" if r.get("excluded_by_organiser") else "no"
         view = r.get("median_view_seconds")
         rows.append([name, str(r["main_votes"]), f"{r['checks_correct']}/{r['checks_answered']}",
                      _pct(r["check_accuracy"]), NO_DATA if view is None else f"{view:.1f} s",
                      "yes" if r.get("fast") else "no", excluded])
     b.append(Block("table", rows=rows))
+    mult = analysis.get("multiplicity")
+    if mult and mult["tests"]:
+        b.append(Block("p", (
+            f"Multiplicity: the study makes {mult['tests']} margin test(s) with a verdict ({mult['family']}). "
+            "Each verdict is at level α for its own comparison; the Holm-adjusted p (Holm p) "
+            "says which verdicts hold for the whole family at the same α.")))
     b.append(Block("h2", "Results (after exclusion)"))
+    ranking = analysis.get("ranking")
+    if ranking and "error" in ranking:
+        b.append(Block("p", f"⚠ no Bradley–Terry ranking: {ranking['error']}"))
+    elif ranking and ranking["methods"]:
+        b.append(Block("h3", "Ranking of all methods (Bradley–Terry)"))
+        b.append(Block("p", (
+            f"Bradley–Terry scores from every overall vote after exclusion (ties half a win "
+            f"to each side), in Elo-like points (+400 = 10× the odds of being preferred), "
+            + (f"{ranking['anchor']} fixed at 1000" if ranking["anchor"] else "mean 1000")
+            + f"; {conf:.0%} intervals from {ranking['n_boot']} prompt-bootstrap refits. Beside "
+            "the pairwise tables below, not instead of them: the ranking is descriptive and "
+            "makes no margin claim.")))
+        rows = [["rank", "method", "score", f"{conf:.0%} interval"]]
+        for name, m in ranking["methods"].items():
+            lo, hi = m["interval"]
+            rows.append([str(m["rank"]), name, f"{m['score']:.0f}",
+                         NO_DATA if _missing(lo) else f"[{lo:.0f}, {hi:.0f}]"])
+        b.append(Block("table", rows=rows))
     b.append(Block("img", "wtl.png"))
     for pair, data in analysis["pairs"].items():
         b.append(Block("h3", pair))
         rows = [["question", "votes", "prompts", "win", "tie", "lose", "decisive win rate",
                  "sign test p", "Δ", f"Δ prompt bootstrap {conf:.0%}",
-                 f"{test} ({decide:.0%} t interval of Δ)", "left share (decisive)", "position p",
+                 f"{test} ({decide:.0%} score interval of Δ)", "left share (decisive)", "position p",
                  "α (ordinal)"]]
         notes = []
         for q in QUESTIONS:
@@ -219,10 +255,10 @@ def report_blocks(analysis: dict) -> list[Block]:
                             f"tie / {before['lose']} lose."))
     b.append(Block("p", (
         "Reading the table: the sign test asks whether one method is preferred (ties dropped); a "
-        "large p is not evidence of equality. The margin test decides on the per-prompt mean Δ: "
-        f"'equivalent' means its {decide:.0%} t interval lies inside (−δ, δ) (both one-sided "
+        "large p is not evidence of equality. The margin test decides on Δ: "
+        f"'equivalent' means its {decide:.0%} score interval lies inside (−δ, δ) (both one-sided "
         "tests reject |Δ| ≥ δ); 'non-inferior' means its lower end is above −δ. 'Not enough "
-        "data' means too few prompts, or no spread between prompts, for any verdict. 'Both bad' "
+        "data' means too few prompts for any verdict. 'Both bad' "
         "answers count as ties. The position test checks that left and right were picked "
         "equally often among decisive votes.")))
     return b
@@ -232,13 +268,25 @@ def report_blocks(analysis: dict) -> list[Block]:
 # Exports and the command
 # --------------------------------------------------------------------------------------------
 
+#: A spreadsheet reads a cell that starts with one of these as a formula.
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: object) -> object:
+    """A text cell made safe for spreadsheets: one that would start a formula gets a leading
+    apostrophe (shown as text; ``attnqat eval import`` takes it off again)."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
+
+
 def votes_csv(rows: Sequence[dict]) -> str:
-    """Flat vote rows (:meth:`VoteRecord.flat`) as CSV text."""
+    """Flat vote rows (:meth:`VoteRecord.flat`) as CSV text, text cells formula-safe."""
     fields = list(rows[0]) if rows else list(VoteRecord.__dataclass_fields__)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=fields, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({k: csv_cell(v) for k, v in row.items()} for row in rows)
     return buffer.getvalue()
 
 
@@ -281,9 +329,10 @@ def load_analysis(db_url: str, name: str | None = None, n_boot: int | None = Non
             if n_boot is not None:
                 config.n_boot = n_boot
             votes = load_votes(session, study.id)
+            reports = load_reports(session, study.id)
     finally:
         engine.dispose()
-    return analyze(votes, config), votes
+    return analyze(votes, config, reports), votes
 
 
 def print_summary(analysis: dict) -> None:
@@ -293,6 +342,12 @@ def print_summary(analysis: dict) -> None:
         print("  " + verdict_line(pair, overall))
         for w in overall.get("warnings", []):
             print(f"    warning: {w}")
+    ranking = analysis.get("ranking")
+    if ranking and ranking.get("methods"):
+        print("  Bradley–Terry ranking: " + ", ".join(
+            f"{name} {m['score']:.0f} [{m['interval'][0]:.0f}, {m['interval'][1]:.0f}]"
+            if not _missing(m["interval"][0]) else f"{name} {m['score']:.0f}"
+            for name, m in ranking["methods"].items()))
     for w in analysis.get("warnings", []):
         print(f"  warning: {w}")
 

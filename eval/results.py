@@ -78,14 +78,20 @@ class VoteRecord:
     play_seconds: float | None = None
     #: The organiser's exclusion of this vote's rater or item (with the reason), else None.
     excluded_by_organiser: str | None = None
+    #: For a ``check_repeat`` vote: the main item it repeats.
+    repeat_of: int | None = None
+    #: The crowd platform's worker id of the rater (None for invites without one).
+    worker_id: str | None = None
 
     def outcome(self, question: str = "overall") -> str:
         """win / tie / lose for method A."""
         return OUTCOME_OF[self.answers[question]]
 
     def flat(self) -> dict:
-        """One flat row for CSV/JSON export."""
+        """One flat row for CSV/JSON export (keyed by vote, rater and worker id first)."""
         d = asdict(self)
+        d = {"vote_id": d.pop("vote_id"), "rater": d.pop("rater"),
+             "worker_id": d.pop("worker_id"), **d}
         answers, sides = d.pop("answers"), d.pop("sides")
         for q in QUESTIONS:
             d[f"{q}_clicked"] = sides.get(q)
@@ -126,14 +132,37 @@ def load_votes(session: Session, study_id: int) -> list[VoteRecord]:
                               item.method_a, item.method_b, item.expected, left, right,
                               vote.left_is_a, _iso(vote.shown_at), _iso(vote.voted_at),
                               answers, sides, bool(vote.both_bad), vote.comment, view,
-                              durations.get((item.id, vote.left_is_a)), excluded))
+                              durations.get((item.repeat_of or item.id, vote.left_is_a)), excluded,
+                              item.repeat_of, rater.worker_id))
     return out
 
 
-def rater_checks(votes: Sequence[VoteRecord]) -> dict[str, stats.CheckScore]:
-    """Check-item score per rater (overall answer against the expected one)."""
-    return stats.check_scores((v.rater, v.answers["overall"], v.expected)
-                              for v in votes if v.kind.startswith("check") and "overall" in v.answers)
+def rater_checks(votes: Sequence[VoteRecord], reports: Sequence[tuple[str, str]] = ()
+                 ) -> dict[str, stats.CheckScore]:
+    """Check-item score per rater (overall answer against the expected one). A check item the
+    rater reported as broken (``reports``: (rater, item kind)) counts as answered and wrong:
+    otherwise "report a problem and skip" would dodge every check."""
+    answers = [(v.rater, v.answers["overall"], v.expected)
+               for v in votes if v.kind.startswith("check") and v.kind != "check_repeat"
+               and "overall" in v.answers]
+    first = {(v.rater, v.item_id): v.answers.get("overall") for v in votes if v.kind == "main"}
+    for v in votes:  # a repeat is right unless it reverses the rater's decisive answer
+        if v.kind == "check_repeat" and "overall" in v.answers:
+            before = first.get((v.rater, v.repeat_of))
+            if before is not None:
+                flipped = {before, v.answers["overall"]} == {"a", "b"}
+                answers.append((v.rater, "reversed" if flipped else "consistent", "consistent"))
+    answers += [(rater, "reported", "not reported") for rater, kind in reports
+                if kind.startswith("check")]
+    return stats.check_scores(answers)
+
+
+def load_reports(session: Session, study_id: int) -> list[tuple[str, str]]:
+    """(rater label, item kind) of every problem report of a study."""
+    return [(label, kind) for label, kind in session.execute(
+        select(Rater.label, Item.kind).join(Report, Report.rater_id == Rater.id)
+        .join(Item, Item.id == Report.item_id).where(Report.study_id == study_id)
+        .order_by(Report.id))]
 
 
 def _question_summary(votes: Sequence[VoteRecord], question: str, config: StudyConfig) -> dict:
@@ -202,10 +231,21 @@ def _check_rule_warning(checks: dict[str, stats.CheckScore], config: StudyConfig
     return None
 
 
-def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
-    """The study's results as one JSON-able dict (see the module docstring)."""
-    checks = rater_checks(votes)
+def analyze(votes: Sequence[VoteRecord], config: StudyConfig,
+            reports: Sequence[tuple[str, str]] = ()) -> dict:
+    """The study's results as one JSON-able dict (see the module docstring). ``reports`` are
+    the problem reports as (rater, item kind): a reported check item counts as failed."""
+    checks = rater_checks(votes, reports)
     excluded = stats.excluded_raters(checks, config.min_check_accuracy, config.min_checks)
+    # The rule needs check items in the data; if nobody answered one, a warning says so.
+    has_checks = (any(v.kind.startswith("check") for v in votes)
+                  or any(kind.startswith("check") for _, kind in reports))
+    too_few_checks = set()
+    if has_checks and config.required_checks > 0:
+        voters = {v.rater for v in votes if v.kind == "main"}
+        too_few_checks = {r for r in voters
+                          if checks.get(r, stats.CheckScore(0, 0)).answered < config.required_checks}
+        excluded |= too_few_checks
     organiser = {}
     for v in votes:
         if v.excluded_by_organiser and v.excluded_by_organiser.startswith("rater"):
@@ -221,6 +261,7 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
         s = checks.get(name, stats.CheckScore(0, 0))
         r.update(checks_answered=s.answered, checks_correct=s.correct,
                  check_accuracy=s.accuracy if s.answered else None, excluded=name in excluded,
+                 too_few_checks=name in too_few_checks,
                  excluded_by_organiser=organiser.get(name), **times.get(name, {}))
     main = [v for v in votes if v.kind == "main"]
     kept = [v for v in main if v.rater not in excluded and v.excluded_by_organiser is None]
@@ -236,7 +277,26 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
             "before_exclusion": {q: {o: sum(v.outcome(q) == o for v in sub_all if q in v.answers)
                                      for o in stats.OUTCOMES} for q in QUESTIONS},
         }
-    warnings = []
+    multiplicity = _holm_across(pairs, config.alpha)
+    ranking = None
+    methods = {m for p in config.pairs for m in p}
+    if len(methods) > 2:
+        counts: dict[str, int] = {}
+        for a, b in config.pairs:
+            counts[a] = counts.get(a, 0) + 1
+            counts[b] = counts.get(b, 0) + 1
+        anchor = max(sorted(counts), key=counts.get)  # the reference most pairs share
+        comparisons = [(v.method_a, v.method_b, v.outcome("overall"), v.prompt) for v in kept
+                       if "overall" in v.answers and (v.method_a, v.method_b) in config.pairs]
+        try:
+            if not comparisons:
+                raise ValueError("no votes to rank the methods by")
+            ranking = stats.bradley_terry_ranking(comparisons, anchor=anchor,
+                                                  n_boot=config.n_boot, seed=config.seed,
+                                                  confidence=config.confidence)
+        except ValueError as exc:
+            ranking = {"error": str(exc)}
+    warnings = _exclusion_warnings(main, kept, pairs, config)
     if any(v.kind.startswith("check") for v in votes) or config.check_fraction > 0:
         w = _check_rule_warning(checks, config)
         if w and votes:
@@ -247,9 +307,13 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
                         f"one play-through): {', '.join(fast)}")
     return {
         "study": config.name,
-        "config": {k: v for k, v in asdict(config).items() if k != "encode"},
+        "config": {k: v for k, v in asdict(config).items()
+                   if k not in ("encode", "crowd_token", "completion_code")},
         "exclusion_rule": (f"exclude raters with at least {config.min_checks} answered check "
-                           f"item(s) and check accuracy below {config.min_check_accuracy:.0%}"),
+                           f"item(s) and check accuracy below {config.min_check_accuracy:.0%}"
+                           + (f", and raters who answered fewer than {config.required_checks} "
+                              "check item(s) (a reported check counts as wrong)"
+                              if has_checks and config.required_checks else "")),
         "excluded_raters": sorted(excluded),
         "excluded_by_organiser": {"raters": organiser,
                                   "items": {str(i): why for i, why in excluded_items}},
@@ -257,8 +321,65 @@ def analyze(votes: Sequence[VoteRecord], config: StudyConfig) -> dict:
         "raters": raters,
         "n_votes": {"all": len(votes), "main": len(main), "main_after_exclusion": len(kept)},
         "pairs": pairs,
+        "multiplicity": multiplicity,
+        "ranking": ranking,
         "warnings": warnings,
     }
+
+
+def _exclusion_warnings(main: Sequence[VoteRecord], kept: Sequence[VoteRecord], pairs: dict,
+                        config: StudyConfig) -> list[str]:
+    """Warnings when the exclusions leave fewer raters than planned or change a verdict."""
+    out = []
+    before, after = {v.rater for v in main}, {v.rater for v in kept}
+    if not main:
+        return out
+    per_item: dict[int, int] = {}
+    for v in kept:
+        per_item[v.item_id] = per_item.get(v.item_id, 0) + 1
+    items = {v.item_id for v in main}
+    short = [i for i in items if per_item.get(i, 0) < config.ratings_per_item]
+    if short or len(after) < len(before):
+        fewest = min((per_item.get(i, 0) for i in items), default=0)
+        if short:
+            out.append(f"after exclusion {len(after)} of {len(before)} rater(s) remain; {len(short)} "
+                       f"of {len(items)} main item(s) have fewer than the planned "
+                       f"{config.ratings_per_item} rating(s) (fewest: {fewest})")
+        elif len(after) <= 2:
+            out.append(f"after exclusion only {len(after)} rater(s) remain: the verdicts rest on "
+                       "their votes alone")
+    for name, data in pairs.items():
+        a, b = data["method_a"], data["method_b"]
+        sub_all = [v for v in main if (v.method_a, v.method_b) == (a, b) and "overall" in v.answers]
+        if not sub_all:
+            continue
+        unexcluded = stats.summarize_wtl(
+            [v.outcome("overall") for v in sub_all], [v.prompt for v in sub_all],
+            margin=config.equivalence_margin, alpha=config.alpha, n_boot=0, test=config.test,
+            min_prompts=config.min_prompts)["margin_test"]["verdict"]
+        now = data["questions"]["overall"]["margin_test"]["verdict"]
+        data["verdict_before_exclusion"] = unexcluded
+        if unexcluded != now:
+            out.append(f"{name}: the exclusions change the overall verdict (all votes: "
+                       f"'{unexcluded}'; after exclusion: '{now}')")
+    return out
+
+
+def _holm_across(pairs: dict, alpha: float) -> dict:
+    """Holm's adjustment over every margin test of the study (pairs × questions): each test
+    gets ``p_holm`` and ``passed_holm`` (the verdict that holds for the whole family at
+    ``alpha``); returns how many tests the family has."""
+    tests = [s["margin_test"] for data in pairs.values() for s in data["questions"].values()]
+    counted = [mt for mt in tests if mt["passed"] is not None]
+    adjusted = stats.holm([mt["p"] for mt in counted])
+    for mt, p in zip(counted, adjusted):
+        mt["p_holm"] = p
+        mt["passed_holm"] = bool(p < alpha)
+    for mt in tests:
+        mt.setdefault("p_holm", math.nan)
+        mt.setdefault("passed_holm", None)
+    return {"method": "Holm", "tests": len(counted), "alpha": alpha,
+            "family": f"{len(pairs)} pair(s) × {len(QUESTIONS)} questions"}
 
 
 def progress_tables(session: Session, study_id: int, config: StudyConfig
@@ -266,7 +387,7 @@ def progress_tables(session: Session, study_id: int, config: StudyConfig
     """Admin progress: per rater (started, done/total, checks, view times, status), per item
     (assigned, voted, excluded) and the problem reports."""
     votes = load_votes(session, study_id)
-    checks = rater_checks(votes)
+    checks = rater_checks(votes, load_reports(session, study_id))
     times = _rater_times(votes, config.fast_vote_margin)
     raters = []
     for rater in session.scalars(select(Rater).where(Rater.study_id == study_id).order_by(Rater.id)):
@@ -277,6 +398,7 @@ def progress_tables(session: Session, study_id: int, config: StudyConfig
         t = times.get(rater.label, {})
         raters.append({
             "label": rater.label, "token": rater.token, "started": rater.started_at is not None,
+            "worker_id": rater.worker_id, "expires": _iso(rater.expires_at),
             "done": p["done"], "total": p["total"], "released": released,
             "practice_done": p["practice_done"],
             "checks_answered": s.answered if s else 0,

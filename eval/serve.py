@@ -28,15 +28,20 @@ Rater (``TOKEN`` = invite token; unknown or withdrawn tokens get [403]):
   organiser.
 
 Media and pages: ``GET /media/NAME.mp4`` (only names of this study's videos, from its media
-folder; Range requests supported; no ETag or Last-Modified), ``GET /r/TOKEN`` (rater page),
-``GET /`` (enter a code), ``GET /healthz``.
+folder; Range requests supported; no ETag or Last-Modified), ``GET /r/TOKEN`` (rater page;
+``?worker_id=ID`` ties the invite to a crowd worker), ``GET /c/CROWD_TOKEN?worker_id=ID`` (the
+crowd study link: one rater per worker id, redirected to their page), ``GET /`` (enter a code),
+``GET /healthz``. Request bodies over :data:`MAX_BODY_BYTES` get [413].
 
 Admin (HTTP basic auth, any user name, the admin password): ``GET /admin`` (page),
 ``GET /admin/api/progress``, ``GET /admin/api/results``, ``GET /admin/api/votes``,
 ``GET /admin/api/export/votes.csv`` | ``votes.json`` | ``results.json`` (downloads),
 ``POST /admin/api/invites`` ``{"count": n}`` (1 … 500), ``POST /admin/api/raters/LABEL/release``,
 ``…/revoke``, ``…/exclude`` ``{"excluded": bool, "reason"}``,
-``POST /admin/api/items/ID/exclude`` ``{"excluded": bool, "reason"}``.
+``POST /admin/api/items/ID/exclude`` ``{"excluded": bool, "reason"}``. Every admin POST must
+come from this origin (``Origin``/``Referer``/``Sec-Fetch-Site``), carry the CSRF token of
+``GET /admin/api/csrf`` (also in the admin page) in ``X-CSRF-Token`` and, with a body, be JSON
+(403 / 415 otherwise); ``excluded`` is required (an empty body is 422, never an exclusion).
 """
 
 from __future__ import annotations
@@ -46,13 +51,14 @@ import os
 import re
 import secrets
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 from importlib import resources
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, RedirectResponse, Response
 from fastapi.security import HTTPBasic, HTTPBasicCredentials
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
@@ -79,6 +85,44 @@ SECURITY_HEADERS = {
 }
 #: Seconds the rater page waits for a pair to load before it offers "try again" / "skip".
 DEFAULT_LOAD_TIMEOUT = 30.0
+#: Largest request body the server reads (a vote with a 2,000-character comment is < 10 KiB).
+MAX_BODY_BYTES = 64 * 1024
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self) -> None:
+        super().__init__(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is over ``limit`` bytes gets 413 — at once when its
+    Content-Length says so, else as soon as that many bytes arrived (never read whole)."""
+
+    def __init__(self, app, limit: int = MAX_BODY_BYTES) -> None:  # noqa: ANN001 - ASGI app
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:  # noqa: ANN001 - ASGI
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.limit):
+            response = JSONResponse({"error": f"request body larger than {self.limit} bytes"},
+                                    status_code=413, headers={"Connection": "close"})
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited():  # noqa: ANN202
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge()
+            return message
+
+        await self.app(scope, limited, send)
 
 
 def _package_dir(name: str) -> Path:
@@ -107,11 +151,29 @@ class ReportIn(BaseModel):
 
 class InvitesIn(BaseModel):
     count: int = Field(ge=1, le=rating.MAX_INVITES)
+    #: Days until the new links stop working (None: the study's ``invite_days``; 0: never).
+    days: float | None = Field(default=None, ge=0, le=3650)
 
 
 class ExcludeIn(BaseModel):
-    excluded: bool = True
+    excluded: bool  # required: an empty or partial body must never exclude
     reason: str | None = Field(default=None, max_length=rating.MAX_COMMENT)
+
+
+#: The header that carries the admin page's CSRF token on every state-changing admin request.
+CSRF_HEADER = "X-CSRF-Token"
+
+
+#: Names crowd platforms give the worker id in a study link (Prolific, MTurk, generic).
+WORKER_PARAMETERS = ("worker_id", "PROLIFIC_PID", "workerId")
+
+
+def _worker_id(request: Request) -> str | None:
+    for name in WORKER_PARAMETERS:
+        value = request.query_params.get(name)
+        if value:
+            return value
+    return None
 
 
 def _validation_message(exc: RequestValidationError) -> str:
@@ -136,6 +198,9 @@ class StudyServer:
     media_dir: Path
     admin_password: str
     load_timeout: float = DEFAULT_LOAD_TIMEOUT
+    #: Sent with the admin page; every state-changing admin request must echo it in
+    #: :data:`CSRF_HEADER` (a form or a simple request from another origin cannot set a header).
+    csrf_token: str = field(default_factory=lambda: secrets.token_urlsafe(32))
 
 
 def open_study(study_dir: str | Path, db_url: str | None = None, name: str | None = None,
@@ -169,6 +234,7 @@ def open_study(study_dir: str | Path, db_url: str | None = None, name: str | Non
 def create_app(server: StudyServer) -> FastAPI:
     """The FastAPI application for one study."""
     app = FastAPI(title="Video comparison", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     app.mount("/static", StaticFiles(directory=_package_dir("static")), name="static")
     Session, study_id, config = server.Session, server.study_id, server.config
     media_root = server.media_dir.resolve()
@@ -208,19 +274,58 @@ def create_app(server: StudyServer) -> FastAPI:
         if not secrets.compare_digest(credentials.password.encode(), server.admin_password.encode()):
             raise HTTPException(401, "wrong password", headers={"WWW-Authenticate": "Basic"})
 
+    def admin_write(request: Request, _auth: None = Depends(admin)) -> None:  # noqa: B008
+        """A state-changing admin request: from this origin, carrying the CSRF token, with a
+        JSON body (if any). The browser sends the organiser's basic-auth password with any
+        request to this server, a form on another site's page included; these checks refuse
+        what such a page can send."""
+        host = request.headers.get("host", "")
+        if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+            raise HTTPException(403, "cross-origin request refused")
+        for header in ("origin", "referer"):
+            value = request.headers.get(header)
+            if value and value != "null" and urlsplit(value).netloc != host:
+                raise HTTPException(403, "cross-origin request refused")
+            if value == "null":
+                raise HTTPException(403, "cross-origin request refused")
+        token = request.headers.get(CSRF_HEADER, "")
+        if not secrets.compare_digest(token.encode(), server.csrf_token.encode()):
+            raise HTTPException(403, f"missing or wrong CSRF token (the {CSRF_HEADER} header; "
+                                     "GET /admin/api/csrf gives it)")
+        length = request.headers.get("content-length")
+        if length not in (None, "0") and not request.headers.get("content-type", "").startswith(
+                "application/json"):
+            raise HTTPException(415, "the body must be JSON (Content-Type: application/json)")
+
     # --- pages -------------------------------------------------------------------------------
     @app.get("/", response_class=HTMLResponse)
     def landing() -> HTMLResponse:
         return HTMLResponse(pages["landing.html"])
 
     @app.get("/r/{token}", response_class=HTMLResponse)
-    def rater_page(token: str) -> HTMLResponse:
-        with Session() as session:
+    def rater_page(token: str, request: Request) -> HTMLResponse:
+        worker = _worker_id(request)
+        with Session.begin() as session:
             try:
-                rating.get_rater(session, study_id, token)
-            except rating.UnknownRater:
+                rater = rating.get_rater(session, study_id, token)
+                if worker is not None:
+                    rating.claim_for_worker(rater, worker)
+            except rating.RatingError:
                 return HTMLResponse(pages["refused.html"], status_code=403)
         return HTMLResponse(pages["rater.html"])
+
+    @app.get("/c/{crowd}")
+    def crowd_link(crowd: str, request: Request) -> Response:
+        """The study link of a crowd platform: one rater per worker id, then their page."""
+        if not config.crowd_raters or not secrets.compare_digest(crowd.encode(),
+                                                                 config.crowd_token.encode()):
+            raise HTTPException(404, "not found")
+        worker = _worker_id(request)
+        if worker is None:
+            raise HTTPException(400, "worker_id: the link needs ?worker_id=YOUR_WORKER_ID")
+        token = rating.crowd_rater(Session, study_id, worker, config.crowd_raters,
+                                   config.invite_days)
+        return RedirectResponse(f"/r/{token}", status_code=303)
 
     @app.get("/healthz")
     def healthz() -> dict:
@@ -232,10 +337,19 @@ def create_app(server: StudyServer) -> FastAPI:
             select(Item.id).where(Item.study_id == study_id, Item.kind == "practice",
                                   Item.excluded.is_(False)))))
 
+    def completion(stage: str) -> dict:
+        """The completion code (and link) for raters who finished, for crowd platforms."""
+        if stage not in ("done", "released") or not config.completion_code:
+            return {}
+        return {"completion_code": config.completion_code,
+                "completion_url": config.completion_url or None}
+
     def state_of(session, rater) -> dict:  # noqa: ANN001
-        return {"stage": rating.stage(session, rater), "progress": rating.progress(session, rater),
+        stage = rating.stage(session, rater)
+        return {"stage": stage, "progress": rating.progress(session, rater),
                 "questions": questions, "practice_items": n_practice,
-                "load_timeout": server.load_timeout, "max_comment": rating.MAX_COMMENT}
+                "load_timeout": server.load_timeout, "max_comment": rating.MAX_COMMENT,
+                **completion(stage)}
 
     @app.get("/api/r/{token}/state")
     def state(token: str) -> dict:
@@ -244,7 +358,8 @@ def create_app(server: StudyServer) -> FastAPI:
 
     @app.post("/api/r/{token}/start")
     def start(token: str) -> dict:
-        rating.start(Session, study_id, token)
+        rating.start(Session, study_id, token,
+                     release_after_minutes=config.release_after_minutes)
         return state(token)
 
     @app.get("/api/r/{token}/current")
@@ -253,7 +368,9 @@ def create_app(server: StudyServer) -> FastAPI:
             rater = rating.get_rater(session, study_id, token, touch=True)
             assignment = rating.current(session, rater)
             if assignment is None:
-                return {"done": True, "progress": rating.progress(session, rater)}
+                stage = rating.stage(session, rater)
+                return {"done": True, "stage": stage, "progress": rating.progress(session, rater),
+                        **completion(stage)}
             item = assignment.item
             shown = rating.served_media(session, assignment, media_root)
             return {"done": False, "assignment": assignment.token, "prompt": item.prompt,
@@ -305,7 +422,11 @@ def create_app(server: StudyServer) -> FastAPI:
     # --- admin -------------------------------------------------------------------------------
     @app.get("/admin", response_class=HTMLResponse, dependencies=[Depends(admin)])
     def admin_page() -> HTMLResponse:
-        return HTMLResponse(pages["admin.html"])
+        return HTMLResponse(pages["admin.html"].replace("{{CSRF_TOKEN}}", server.csrf_token))
+
+    @app.get("/admin/api/csrf", dependencies=[Depends(admin)])
+    def admin_csrf() -> dict:
+        return {"header": CSRF_HEADER, "token": server.csrf_token}
 
     # The analysis needs scipy; imported on first use so the rater app starts faster.
     @app.get("/admin/api/progress", dependencies=[Depends(admin)])
@@ -317,11 +438,12 @@ def create_app(server: StudyServer) -> FastAPI:
                     **progress_tables(session, study_id, config)}
 
     def analysis() -> dict:
-        from .results import analyze, json_safe, load_votes
+        from .results import analyze, json_safe, load_reports, load_votes
 
         with Session() as session:
             votes = load_votes(session, study_id)
-        return json_safe(analyze(votes, config))
+            reports = load_reports(session, study_id)
+        return json_safe(analyze(votes, config, reports))
 
     @app.get("/admin/api/results", dependencies=[Depends(admin)])
     def admin_results() -> dict:
@@ -354,14 +476,15 @@ def create_app(server: StudyServer) -> FastAPI:
         return Response(body, media_type=kind, headers={
             "Content-Disposition": f'attachment; filename="{name}"'})
 
-    @app.post("/admin/api/invites", dependencies=[Depends(admin)])
+    @app.post("/admin/api/invites", dependencies=[Depends(admin_write)])
     def admin_invites(body: InvitesIn) -> dict:
-        invites = rating.add_raters(Session, study_id, body.count)
+        days = config.invite_days if body.days is None else body.days
+        invites = rating.add_raters(Session, study_id, body.count, expires_days=days)
         write_invites(server.study_dir, invites)
         return {"invites": [{"label": label, "token": token, "link": f"/r/{token}"}
                             for label, token in invites]}
 
-    @app.post("/admin/api/raters/{label}/{action}", dependencies=[Depends(admin)])
+    @app.post("/admin/api/raters/{label}/{action}", dependencies=[Depends(admin_write)])
     def admin_rater(label: str, action: str, body: ExcludeIn | None = None) -> dict:
         with Session.begin() as session:
             rater = rating.find_rater(session, study_id, label)
@@ -370,7 +493,9 @@ def create_app(server: StudyServer) -> FastAPI:
             elif action == "revoke":
                 released = rating.revoke_rater(session, rater)
             elif action == "exclude":
-                body = body or ExcludeIn()
+                if body is None:
+                    raise HTTPException(422, 'excluded: a JSON body {"excluded": true|false, '
+                                             '"reason": …} is required')
                 rating.set_rater_excluded(rater, body.excluded, body.reason)
                 released = 0
             else:
@@ -378,9 +503,8 @@ def create_app(server: StudyServer) -> FastAPI:
             return {"ok": True, "rater": label, "released": released,
                     "revoked": rater.revoked_at is not None, "excluded": rater.excluded}
 
-    @app.post("/admin/api/items/{item_id}/exclude", dependencies=[Depends(admin)])
-    def admin_item(item_id: int, body: ExcludeIn | None = None) -> dict:
-        body = body or ExcludeIn()
+    @app.post("/admin/api/items/{item_id}/exclude", dependencies=[Depends(admin_write)])
+    def admin_item(item_id: int, body: ExcludeIn) -> dict:
         with Session.begin() as session:
             item = rating.find_item(session, study_id, item_id)
             released = rating.set_item_excluded(session, item, body.excluded, body.reason)

@@ -14,6 +14,8 @@ reproducibly from a seed.
 
 from __future__ import annotations
 
+import os
+
 import csv
 import random
 from collections.abc import Iterable, Sequence
@@ -50,6 +52,21 @@ def _seed(value: object, where: str) -> int | None:
         return int(value)
     except (TypeError, ValueError):
         raise InputError(f"{where}: seed {value!r} is not an integer") from None
+
+
+def _find_records(root: Path) -> list[Path]:
+    """Every ``record.json`` under ``root``, following symbolic links to folders (each real
+    folder visited once, so a link loop ends)."""
+    found, seen = [], set()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        if "record.json" in files:
+            found.append(Path(folder) / "record.json")
+    return sorted(found)
 
 
 def read_record(record_path: Path) -> list[ClipSource]:
@@ -99,7 +116,7 @@ def load_sources(inputs: Sequence[str | Path]) -> list[ClipSource]:
     for raw in inputs:
         path = Path(raw)
         if path.is_dir():
-            records = sorted(path.rglob("record.json"))
+            records = _find_records(path)
             if not records:
                 raise InputError(f"{path}: no record.json found (searched recursively)")
             for record in records:

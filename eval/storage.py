@@ -57,7 +57,10 @@ SIDES: tuple[str, ...] = ("left", "right", "tie")
 #: The overall answer "both are bad": stored as a tie with ``votes.both_bad`` set.
 BOTH_BAD = "both_bad"
 #: Item kinds. ``main`` items are the study; checks measure raters; practice is discarded.
-ITEM_KINDS: tuple[str, ...] = ("main", "check_identical", "check_degraded", "practice")
+#: ``check_repeat`` items show a main item's pair again (its own media, sides swapped) to the
+#: rater who has the main item: opposite decisive answers to the two are an inconsistency.
+ITEM_KINDS: tuple[str, ...] = ("main", "check_identical", "check_degraded", "check_repeat",
+                               "practice")
 
 DB_FILENAME = "study.db"
 
@@ -127,6 +130,8 @@ class Item(Base):
     target_ratings: Mapped[int] = mapped_column(Integer)
     excluded: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     exclusion_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: For a ``check_repeat`` item: the main item it repeats (whose videos it is served with).
+    repeat_of: Mapped[int | None] = mapped_column(ForeignKey("items.id"), nullable=True)
 
     clip_a: Mapped[Clip] = relationship(foreign_keys=[clip_a_id])
     clip_b: Mapped[Clip] = relationship(foreign_keys=[clip_b_id])
@@ -145,6 +150,11 @@ class Rater(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
     excluded: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     exclusion_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    #: The invite stops working after this time (None: never).
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime, nullable=True)
+    #: The crowd platform's worker id (e.g. Prolific's PROLIFIC_PID), from the link's
+    #: ``worker_id`` parameter; an invite belongs to the first worker id it was opened with.
+    worker_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)
 
 
 class Assignment(Base):

@@ -53,9 +53,10 @@ class StudyConfig:
     items_per_rater: int = 0  # 0: every main item that still needs ratings
     check_fraction: float = 0.1
     practice_items: int = 2
-    #: Margin δ on the net preference Δ = win share − lose share (Δ ∈ [−1, 1]), tested on
-    #: per-prompt means at level ``alpha``. ``equivalence`` (TOST): "as good as" means
-    #: −δ < Δ < δ; ``non-inferiority``: "not worse than" means Δ > −δ.
+    #: Margin δ on the net preference Δ = win share − lose share (Δ ∈ [−1, 1]), tested by a
+    #: score test for paired win/tie/lose votes, prompt-clustered, at level ``alpha``.
+    #: ``equivalence`` (two one-sided tests): "as good as" means −δ < Δ < δ;
+    #: ``non-inferiority``: "not worse than" means Δ > −δ.
     equivalence_margin: float = 0.1
     test: str = "equivalence"
     alpha: float = 0.05
@@ -66,6 +67,13 @@ class StudyConfig:
     #: answered check items and an accuracy below ``min_check_accuracy`` is excluded.
     min_check_accuracy: float = 0.7
     min_checks: int = 1
+    #: In a study with check items, a rater who answered fewer check items than this is
+    #: excluded too (a reported check counts as answered, and failed); every rater's queue
+    #: holds at least this many checks when the study has them.
+    required_checks: int = 2
+    #: Main items each rater sees a second time, sides swapped (``check_repeat`` items, when the
+    #: study has checks): opposite decisive answers count as a failed check.
+    repeat_checks: int = 2
     n_boot: int = 2000
     seed: int = 0
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA))
@@ -77,6 +85,15 @@ class StudyConfig:
     #: A vote is "fast" when it comes less than this many seconds after the earliest moment it
     #: could (one play-through); raters with mostly fast votes are flagged in the report.
     fast_vote_margin: float = 3.0
+    #: Invite links stop working this many days after they are made (0: never).
+    invite_days: float = 30.0
+    #: Crowd platforms: the study link ``/c/CROWD_TOKEN?worker_id=ID`` makes one rater per
+    #: worker id, at most ``crowd_raters`` of them (0: no crowd link); raters who finish are
+    #: shown ``completion_code`` (and a link to ``completion_url``, if set).
+    crowd_raters: int = 0
+    crowd_token: str = ""
+    completion_code: str = ""
+    completion_url: str = ""
 
     def validate(self) -> None:
         if not self.name.strip():
@@ -106,6 +123,10 @@ class StudyConfig:
             raise InputError("--min-check-accuracy must be in [0, 1]")
         if self.min_checks < 1:
             raise InputError("--min-checks must be at least 1")
+        if self.repeat_checks < 0:
+            raise InputError("--repeat-checks must be 0 or positive")
+        if self.required_checks < 0:
+            raise InputError("--required-checks must be 0 or positive")
         if self.n_boot < 0:
             raise InputError("--n-boot must be 0 or positive")
         if self.release_after_minutes < 0:
@@ -114,6 +135,12 @@ class StudyConfig:
             raise InputError("--min-view must be 0 (no minimum) or positive")
         if self.fast_vote_margin < 0:
             raise InputError("--fast-vote-margin must be 0 or positive")
+        if self.invite_days < 0:
+            raise InputError("--invite-days must be 0 (never expire) or positive")
+        if self.crowd_raters < 0:
+            raise InputError("--crowd-raters must be 0 (no crowd link) or positive")
+        if self.completion_url and not self.completion_url.startswith(("https://", "http://")):
+            raise InputError("--completion-url must be an http(s) URL")
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -138,7 +165,7 @@ def add_margin_arguments(parser) -> None:  # noqa: ANN001 - argparse.ArgumentPar
                         help="margin δ on the net preference Δ = win share − lose share (0.1 = 10 "
                              "percentage points)")
     parser.add_argument("--test", choices=TESTS, default="equivalence",
-                        help="the claim: equivalence ('as good as': −δ < Δ < δ, TOST) or "
+                        help="the claim: equivalence ('as good as': −δ < Δ < δ, two one-sided tests) or "
                              "non-inferiority ('not worse than': Δ > −δ)")
     parser.add_argument("--non-inferiority", dest="test", action="store_const",
                         const="non-inferiority", default=argparse.SUPPRESS,
@@ -291,6 +318,8 @@ class BuildResult:
     video_size: int
     invites: list[tuple[str, str]]
     settings: media.EncodeSettings
+    #: What the build changed about the sources (clips cut or held to the study's length).
+    warnings: list[str] = field(default_factory=list)
 
 
 def _prepare_out_dir(out_dir: Path) -> None:
@@ -338,10 +367,23 @@ def _build(plan: Sequence[PlannedItem], out_dir: Path, config: StudyConfig, Sess
         if session.scalar(select(Study).where(Study.name == config.name)) is not None:
             raise InputError(f"the database already holds a study named {config.name!r}")
 
+    paths = sorted({c.path for it in plan for c in (it.a, it.b)})
+    infos = [media.probe(p) for p in paths]
     if not config.encode:
-        infos = [media.probe(p) for p in sorted({c.path for it in plan for c in (it.a, it.b)})]
         config.encode = media.common_settings(infos, qp=qp).as_dict()
     settings = media.EncodeSettings.from_dict(config.encode)
+    warnings = []
+    longer = [(p, i.frames) for p, i in zip(paths, infos) if i.frames > settings.frames]
+    shorter = [(p, i.frames) for p, i in zip(paths, infos) if i.frames < settings.frames]
+    if longer:
+        p, n = longer[0]
+        warnings.append(f"{len(longer)} clip(s) are longer than the study's {settings.frames} "
+                        f"frames and are cut to them (e.g. {p}: {n} frames); raters see only "
+                        "the first frames")
+    if shorter:
+        p, n = shorter[0]
+        warnings.append(f"{len(shorter)} clip(s) are shorter than the study's {settings.frames} "
+                        f"frames; their last frame is held (e.g. {p}: {n} frames)")
 
     # 1. one encode per item and display order, each on its own (no file backs two items).
     videos = []  # (item index, a_on_left, token)
@@ -351,19 +393,45 @@ def _build(plan: Sequence[PlannedItem], out_dir: Path, config: StudyConfig, Sess
     work = out_dir / ".encode"
     work.mkdir(exist_ok=True)
 
+    noise_of: dict[int, float] = {}  # item index -> calibrated noise of its degraded side
+
+    def sides(i: int) -> tuple[media.Side, media.Side]:
+        it = plan[i]
+        noise = noise_of.get(i, media.DEGRADE_NOISE)
+        return (media.Side(it.a.path, it.degrade_a, noise), media.Side(it.b.path, it.degrade_b, noise))
+
     def encode(job: tuple[int, bool, str]) -> list[int]:
         i, a_on_left, token = job
-        it = plan[i]
-        a, b = media.Side(it.a.path, it.degrade_a), media.Side(it.b.path, it.degrade_b)
+        a, b = sides(i)
         units = media.encode_pair(*((a, b) if a_on_left else (b, a)), settings)
         (work / f"{token}.h264").write_bytes(b"".join(b"\x00\x00\x00\x01" + u
                                                       for au in units for u in au))
         return [media.sample_size(au) for au in units]
 
+    # Pairs with a degraded side are encoded last: their noise is set so that the pair needs
+    # as many coded bytes as the median main pair (with a fixed strong noise they needed ~3x
+    # more, which picked them out from the filler lengths of every frame).
+    degraded = {i for i, it in enumerate(plan) if it.degrade_a or it.degrade_b}
+    first = [v for v in videos if v[0] not in degraded]
+    later = [v for v in videos if v[0] in degraded]
     workers = max(1, jobs or os.cpu_count() or 1)
     with ThreadPoolExecutor(workers) as pool:
-        sizes = list(tqdm(pool.map(encode, videos), total=len(videos), desc="encoding pairs",
-                          unit="video", disable=not progress))
+        bar = tqdm(total=len(videos), desc="encoding pairs", unit="video", disable=not progress)
+        sizes_of = {}
+        for job, s in zip(first, pool.map(encode, first)):
+            sizes_of[job] = s
+            bar.update()
+        main_totals = sorted(sum(s) for (i, _, _), s in sizes_of.items() if plan[i].kind == "main")
+        if main_totals and degraded:
+            goal = main_totals[len(main_totals) // 2]
+            for i, noise in zip(sorted(degraded), pool.map(
+                    lambda i: _matching_noise(sides(i), settings, goal), sorted(degraded))):
+                noise_of[i] = noise
+        for job, s in zip(later, pool.map(encode, later)):
+            sizes_of[job] = s
+            bar.update()
+        bar.close()
+    sizes = [sizes_of[job] for job in videos]
 
     # 2. every frame padded to the study-wide size of its position; one container for all.
     target = media.padded_sizes(sizes)
@@ -405,16 +473,46 @@ def _build(plan: Sequence[PlannedItem], out_dir: Path, config: StudyConfig, Sess
             session.add(item)
             items.append(item)
         session.flush()
+        if config.check_fraction > 0 and config.repeat_checks > 0:
+            # One repeat per main item (rows only: it is served with the main item's videos);
+            # a rater's queue takes up to repeat_checks of them, for main items it holds.
+            for original in [it for it in items if it.kind == "main"]:
+                session.add(Item(study_id=study.id, kind="check_repeat", prompt=original.prompt,
+                                 seed=original.seed, method_a=original.method_a,
+                                 method_b=original.method_b, clip_a_id=original.clip_a_id,
+                                 clip_b_id=original.clip_b_id, target_ratings=0,
+                                 repeat_of=original.id))
         for i, a_on_left, token in videos:
             session.add(Video(study_id=study.id, item_id=items[i].id, a_on_left=a_on_left,
                               token=token, duration_s=settings.duration))
         study_id = study.id
-    invites = add_raters(Session, study_id, n_raters) if n_raters else []
+    invites = add_raters(Session, study_id, n_raters, expires_days=config.invite_days) if n_raters else []
     (out_dir / "study.json").write_text(config.to_json() + "\n", encoding="utf-8")
     write_invites(out_dir, invites)
     db_url = Session.kw["bind"].url.render_as_string(hide_password=True)
     return BuildResult(study_id, config.name, out_dir, db_url, counts, len(videos), size, invites,
-                       settings)
+                       settings, warnings)
+
+
+def _matching_noise(pair: tuple[media.Side, media.Side], settings: media.EncodeSettings,
+                    goal: int, high: float = 64.0, steps: int = 6) -> float:
+    """The noise strength (0 … ``high``) of the degraded side whose pair encodes closest to
+    ``goal`` coded bytes (more noise, more bytes: bisection)."""
+    def coded(noise: float) -> int:
+        a, b = (media.Side(s.path, s.degrade, noise) for s in pair)
+        return sum(media.sample_size(au) for au in media.encode_pair(a, b, settings))
+
+    lo, hi = 0.0, high
+    best = min(((abs(coded(x) - goal), x) for x in (lo, hi)))
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        size = coded(mid)
+        best = min(best, (abs(size - goal), mid))
+        if size < goal:
+            lo = mid
+        else:
+            hi = mid
+    return best[1]
 
 
 def write_invites(out_dir: Path, invites: Sequence[tuple[str, str]]) -> Path:

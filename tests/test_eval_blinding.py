@@ -230,7 +230,8 @@ def test_check_items_look_like_any_other_pair(served):
     _, rows, clips, got = served
     kinds = {i: k for _, _, i, k in rows}
     main_prompts = set()
-    con_sources = {i: (a, b) for i, (a, b, _, _) in clips.items()}
+    # check_repeat items have no videos of their own (they are served with their main item's)
+    con_sources = {i: (a, b) for i, (a, b, _, _) in clips.items() if i in kinds}
     for i, (a, b) in con_sources.items():
         if kinds[i] == "main":
             main_prompts |= {Path(a).parent, Path(b).parent}
@@ -245,3 +246,48 @@ def test_check_items_look_like_any_other_pair(served):
             continue  # the same for every file: tells nothing
         p = sst.mannwhitneyu(x[is_check, j], x[~is_check, j]).pvalue
         assert p >= 0.01 / n_features, (j, p)
+
+
+def coded_bytes(data: bytes) -> int:
+    """Bytes of the H.264 NAL units of a served file that are not filler (type 12): what the
+    pair needed, which a script can read from the filler lengths."""
+    (mdat,) = [(o, n) for kind, o, n in media.top_level_boxes(data) if kind == b"mdat"]
+    i, end, coded = mdat[0] + 8, mdat[0] + mdat[1], 0
+    while i < end:
+        (n,) = struct.unpack(">I", data[i:i + 4])
+        if data[i + 4] & 0x1F != 12:
+            coded += n
+        i += 4 + n
+    return coded
+
+
+@pytest.mark.slow
+def test_degraded_checks_need_as_many_coded_bytes_as_main_pairs(tmp_path):
+    """On smooth clips (like the tiny model's) a degraded side with fixed strong noise needed
+    ~3x the coded bytes of any main pair (121.5 kB vs at most 41.4 kB in the audit), so check
+    items stood out from the filler lengths. Its noise is now set so the pair needs as many
+    bytes as the median main pair: every degraded check lies within the main pairs' range."""
+    from attnqat.eval.demo import synthetic_frames
+
+    rows = ["prompt,seed,method,path"]
+    for i in range(14):
+        for m, (method, noise) in enumerate((("bf16", 0.0), ("attnqat", 2.0))):
+            path = tmp_path / "clips" / f"{i}_{method}.mp4"
+            path.parent.mkdir(exist_ok=True)
+            write_mp4(synthetic_frames(i, 17, 64, noise, seed=10 * i + m), path, fps=8, crf=16)
+            rows.append(f"smooth prompt {i},{i},{method},{path}")
+    manifest = tmp_path / "clips.csv"
+    manifest.write_text("\n".join(rows) + "\n")
+    study = tmp_path / "study"
+    assert cli_main(["eval", "build", str(manifest), "--out", str(study), "--quiet",
+                     "--pairs", "attnqat:bf16", "--check-fraction", "0.5", "--practice", "0"]) == 0
+    con = sqlite3.connect(study / "study.db")
+    served = con.execute("SELECT v.token, i.kind FROM videos v JOIN items i ON i.id = v.item_id"
+                         ).fetchall()
+    con.close()
+    size = {t: coded_bytes((study / "media" / f"{t}.mp4").read_bytes()) for t, _ in served}
+    main = [size[t] for t, k in served if k == "main"]
+    degraded = [size[t] for t, k in served if k == "check_degraded"]
+    assert degraded and len(main) >= 10
+    lo, hi = min(main), max(main)
+    assert all(0.9 * lo <= s <= 1.1 * hi for s in degraded), (lo, hi, degraded)

@@ -248,3 +248,66 @@ def test_phone_layout_and_keyboard_answers(runs, chromium):
                        "text_alignment_side, comment, view_seconds FROM votes")
     assert row[:5] == (1, "tie", "tie", "left", "right")
     assert row[5].startswith("the left one flickers") and row[6] > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_page_on_another_origin_cannot_drive_the_admin(runs, chromium):
+    """The organiser is logged in to the admin view (basic auth) and opens a page served from
+    another origin (another loopback port) that auto-submits forms and fires no-cors requests
+    at the admin actions. Nothing changes; the organiser's own page still works."""
+    import functools
+    import http.server
+    import threading
+
+    from attnqat.eval.demo import free_port
+
+    study, token = build(runs, "csrf-study", "--min-view", "0")
+    (label,) = [r["label"] for r in csv.DictReader(open(study / "invites.csv"))]
+    with LocalServer(study) as server:
+        target = server.url
+        evil_dir = runs / "evil"
+        evil_dir.mkdir(exist_ok=True)
+        (evil_dir / "index.html").write_text(f"""<!doctype html><html><body>
+<iframe name="sink" style="display:none"></iframe>
+<form id="revoke" method="POST" target="sink" action="{target}/admin/api/raters/{label}/revoke"></form>
+<form id="exclude" method="POST" target="sink" enctype="text/plain"
+      action="{target}/admin/api/raters/{label}/exclude"><input name='{{"excluded": true, "x": "' value='"}}'></form>
+<form id="item" method="POST" target="sink" action="{target}/admin/api/items/1/exclude"></form>
+<script>
+document.getElementById("revoke").submit();
+setTimeout(function () {{ document.getElementById("exclude").submit(); }}, 300);
+setTimeout(function () {{ document.getElementById("item").submit(); }}, 600);
+fetch("{target}/admin/api/invites", {{method: "POST", mode: "no-cors", credentials: "include",
+  headers: {{"Content-Type": "text/plain"}}, body: '{{"count": 5}}'}}).catch(function () {{}});
+setTimeout(function () {{ document.title = "done"; }}, 1500);
+</script></body></html>""")
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(evil_dir))
+        evil = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
+        thread = threading.Thread(target=evil.serve_forever, daemon=True)
+        thread.start()
+        try:
+            context = chromium.new_context(http_credentials={
+                "username": "admin", "password": server.admin_password})
+            page = context.new_page()
+            page.goto(f"{server.url}/admin")  # logged in: the browser holds the password
+            page.wait_for_selector("#raters tbody tr")
+            attack = context.new_page()
+            attack.goto(f"http://127.0.0.1:{evil.server_address[1]}/index.html")
+            attack.wait_for_function("() => document.title === 'done'", timeout=30000)
+            time.sleep(0.5)
+            assert db(study, "SELECT excluded, revoked_at FROM raters WHERE label = ?", label) == [
+                (0, None)]
+            assert db(study, "SELECT count(*) FROM items WHERE excluded") == [(0,)]
+            assert db(study, "SELECT count(*) FROM raters") == [(1,)]  # no invites made
+            # The organiser's own page: the same action goes through.
+            page.on("dialog", lambda d: d.accept())
+            page.locator("#raters tbody tr").first.locator("button[data-action=revoke]").click()
+            page.wait_for_function("() => document.querySelector('#raters tbody').innerText"
+                                   ".includes('revoked')")
+            assert db(study, "SELECT revoked_at IS NOT NULL FROM raters WHERE label = ?",
+                      label) == [(1,)]
+            context.close()
+        finally:
+            evil.shutdown()
+            evil.server_close()

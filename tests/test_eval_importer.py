@@ -7,10 +7,9 @@ import random
 
 import numpy as np
 import pytest
-from statsmodels.stats.weightstats import ttost_paired
 
 from attnqat.cli import main as cli_main
-from attnqat.eval import importer
+from attnqat.eval import importer, stats
 from attnqat.eval.report import export_votes
 from attnqat.eval.results import QUESTIONS, VoteRecord, analyze
 from attnqat.eval.sources import InputError
@@ -28,12 +27,14 @@ def test_published_counts_are_analysed_like_a_study(tmp_path, capsys):
     overall = results["pairs"]["attnqat vs bf16"]["questions"]["overall"]
     assert overall["counts"] == {"win": 16, "tie": 64, "lose": 19}
     assert overall["n_prompts"] == 99  # one vote per prompt, as the paper's design
-    p, _, _ = ttost_paired(np.array([1.0] * 16 + [0.0] * 64 + [-1.0] * 19), np.zeros(99), -0.1, 0.1)
-    assert overall["margin_test"]["p"] == pytest.approx(p)
+    ref = stats.margin_test_counts(np.array(
+        [[1, 0, 0]] * 16 + [[0, 1, 0]] * 64 + [[0, 0, 1]] * 19), 0.1)
+    assert overall["margin_test"]["p"] == pytest.approx(ref.p)
     assert overall["margin_test"]["verdict"] == "not shown equivalent"
-    assert "Δ = -3.0 pp, 90% interval [-13.0, +6.9] pp" in printed
+    assert "Δ = -3.0 pp, 90% interval [-14.0, +7.9] pp" in printed
     md = (tmp_path / "paper-report" / "report.md").read_text()
-    assert "[-13.0, +6.9] pp vs ±10 pp" in md
+    assert "[-14.0, +7.9] pp vs ±10 pp" in md
+    assert "Multiplicity: the study makes 1 margin test(s) with a verdict (1 pair(s) × 4 questions)" in md
     assert "agreement cannot be measured" in md  # one vote per prompt: no agreement to measure
     # Declared differently: not worse than BF16 by more than 15 points.
     assert cli_main(["eval", "import", str(src), "--non-inferiority", "--margin", "0.15",

@@ -1,11 +1,10 @@
-"""``attnqat eval plan``: power of the study's margin tests, against statsmodels and simulation."""
+"""``attnqat eval plan``: power of the study's margin test, exact, approximated and simulated."""
 
 from __future__ import annotations
 
 import math
 
 import pytest
-from statsmodels.stats.power import TTestPower
 
 from attnqat.cli import main as cli_main
 from attnqat.eval import plan
@@ -24,29 +23,31 @@ def test_spread_of_votes_and_prompt_means():
         plan.prompt_sd(0.5, raters=0)
 
 
-@pytest.mark.parametrize("n,delta", [(20, 0.0), (99, 0.0), (218, 0.0), (60, 0.05), (40, -0.05)])
-def test_noninferiority_power_is_statsmodels_one_sided_t_power(n, delta):
-    sd, margin = 0.59, 0.1
-    ours = plan.power(n, margin, sd, 0.05, delta, "non-inferiority")
-    ref = TTestPower().power(effect_size=(delta + margin) / sd, nobs=n, alpha=0.05,
-                             alternative="larger")
-    assert ours == pytest.approx(ref, rel=1e-6)
+@pytest.mark.parametrize("n,ties,delta,test", [(99, 0.65, 0.0, "non-inferiority"),
+                                               (218, 0.65, 0.0, "non-inferiority"),
+                                               (150, 0.5, 0.03, "equivalence"),
+                                               (320, 0.65, 0.0, "equivalence")])
+def test_exact_power_agrees_with_simulation_and_the_normal_approximation(n, ties, delta, test):
+    exact = plan.power(n, 0.1, ties, delta=delta, test=test)
+    sim = plan.simulate_power(n, 0.1, ties, delta, test=test, n_sim=600, seed=2)
+    assert sim == pytest.approx(exact, abs=4 * math.sqrt(exact * (1 - exact) / 600) + 0.01)
+    # The normal approximation (used for several raters per prompt) with one rater.
+    approx = plan.power(n, 0.1, ties, delta=delta, test=test, sd=plan.vote_sd(ties, delta))
+    assert approx == pytest.approx(exact, abs=0.04)
 
 
-def test_equivalence_power_bounds_and_simulation():
-    sd, margin = plan.vote_sd(0.65), 0.1
-    # With Δ = 0 the two one-sided tests are mirror images: power = 2·P(one rejects) − 1.
-    one = plan.power(302, margin, sd, test="non-inferiority")
-    assert plan.power(302, margin, sd) == pytest.approx(2 * one - 1)
-    n = plan.prompts_needed(margin, sd, target=0.8)
-    assert plan.power(n, margin, sd) >= 0.8 > plan.power(n - 1, margin, sd)
-    assert n == 302
-    # The discrete votes of simulated studies, analysed by the report's own test, agree.
-    sim = plan.simulate_power(n, margin, ties=0.65, n_sim=400, seed=1)
-    assert sim == pytest.approx(plan.power(n, margin, sd), abs=0.07)
+def test_equivalence_power_and_the_planned_size():
+    n = plan.prompts_needed(0.1, 0.65, target=0.8)
+    assert n == 320
+    assert all(plan.power(m, 0.1, 0.65) >= 0.8 for m in range(n, n + 30))
+    assert plan.power(n - 5, 0.1, 0.65) < 0.8
     # A true difference at the margin can never be shown equivalent.
-    assert plan.prompts_needed(margin, sd, delta=0.1, limit=20_000) is None
-    assert plan.power(1, margin, sd) == 0.0
+    assert plan.prompts_needed(0.1, 0.65, delta=0.1, limit=4000) is None
+    assert plan.power(1, 0.1, 0.65) == 0.0
+    # Raters who share a prompt: the design effect 1 + (k − 1)·icc, checked by simulation.
+    clustered = plan.power(149, 0.1, 0.65, raters=3, icc=0.2)
+    sim = plan.simulate_power(149, 0.1, 0.65, raters=3, icc=0.2, n_sim=300, seed=3)
+    assert sim == pytest.approx(clustered, abs=0.1)
 
 
 def test_the_minimum_prompt_rule_is_part_of_the_plan():
@@ -59,7 +60,7 @@ def test_the_minimum_prompt_rule_is_part_of_the_plan():
 def test_cli_plan_prints_the_sample_size(capsys):
     assert cli_main(["eval", "plan", "--margin", "0.1"]) == 0
     out = capsys.readouterr().out
-    assert "prompts needed for 80% power: 302 (302 votes)" in out
+    assert "prompts needed for 80% power: 320 (320 votes)" in out
     assert cli_main(["eval", "plan", "--margin", "0.1", "--non-inferiority", "--prompts", "99",
                      "--raters-per-prompt", "3", "--icc", "0.2"]) == 0
     out = capsys.readouterr().out
@@ -70,3 +71,12 @@ def test_cli_plan_prints_the_sample_size(capsys):
                          (["--prompts", "1"], "--prompts")]:
         assert cli_main(["eval", "plan", *bad]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_cli_size_table(capsys):
+    assert cli_main(["eval", "plan", "--size-table", "--prompts", "60"]) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| 60 |")][0]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert len(cells) == 22 and cells[-2] == "—"  # 95 % ties: no null to test
+    assert float(cells[-1].strip("*")) <= 5.5

@@ -333,3 +333,85 @@ def test_report_problem_skips_the_pair_and_keeps_the_report(template, tmp_path):
                                                                   "spinner forever")
     with pytest.raises(rating.Released):
         _vote(Session, sid, token, first)
+
+
+def test_repeated_pairs_come_back_sides_swapped_and_reversals_fail(template, tmp_path):
+    """Each rater sees two of their main items again, the other way round, served with the
+    main item's own videos; reversing a decisive answer counts as a failed check."""
+    from attnqat.eval.results import analyze, load_votes
+    from attnqat.eval.storage import Video
+    from attnqat.eval.study import StudyConfig
+
+    Session, sid = _open(template, tmp_path)
+    (_, token), = rating.add_raters(Session, sid, 1)
+    rating.start(Session, sid, token, seed=4)
+    rid = _rater_id(Session, sid, token)
+    queue = _queue(Session, rid)
+    with Session() as s:
+        items = {it.id: it for it in s.scalars(select(Item))}
+        videos = {(v.item_id, v.a_on_left): v.token for v in s.scalars(select(Video))}
+    by_item = {a.item_id: a for a in queue}
+    repeats = [a for a in queue if items[a.item_id].kind == "check_repeat"]
+    assert len(repeats) == 2
+    for a in repeats:
+        original = by_item[items[a.item_id].repeat_of]
+        assert items[original.item_id].kind == "main" and a.a_on_left != original.a_on_left
+        assert abs(a.position - original.position) > 1
+        with Session() as s:
+            shown = rating.served_media(s, s.get(Assignment, a.id))
+        assert shown["video"] == f"/media/{videos[(original.item_id, a.a_on_left)]}.mp4"
+    # Answer everything: "left" always — which reverses the decisive answer on each repeat.
+    while (cur := _current(Session, sid, token)) is not None:
+        _vote(Session, sid, token, cur[0], overall="left")
+    with Session() as s:
+        votes = load_votes(s, sid)
+        config = StudyConfig.from_dict(s.scalar(select(Study)).config)
+    result = analyze(votes, config)
+    rater = result["raters"]["rater-001"]
+    n_other = sum(1 for a in queue if items[a.item_id].kind in ("check_identical", "check_degraded"))
+    assert rater["checks_answered"] == n_other + 2
+    # "left" is never right on an identical pair nor on a reversed repeat; on a degraded pair
+    # it is right when the clean side was on the left.
+    right = sum(1 for a in queue if items[a.item_id].kind == "check_degraded"
+                and rating.resolve("left", a.a_on_left) == items[a.item_id].expected)
+    assert rater["checks_correct"] == right
+    assert "rater-001" in result["excluded_raters"]
+
+
+def test_invites_expire(template, tmp_path):
+    Session, sid = _open(template, tmp_path)
+    (_, fresh), = rating.add_raters(Session, sid, 1, expires_days=7)
+    (_, old), = rating.add_raters(Session, sid, 1, expires_days=7)
+    (_, forever), = rating.add_raters(Session, sid, 1)
+    with Session.begin() as s:
+        s.scalar(select(Rater).where(Rater.token == old)).expires_at = utcnow() - timedelta(hours=1)
+    with Session() as s:
+        assert rating.get_rater(s, sid, fresh).expires_at > utcnow() + timedelta(days=6)
+        assert rating.get_rater(s, sid, forever).expires_at is None
+        with pytest.raises(rating.UnknownRater, match="expired"):
+            rating.get_rater(s, sid, old)
+    with pytest.raises(rating.UnknownRater, match="expired"):
+        rating.start(Session, sid, old)
+
+
+def test_organiser_release_is_not_reported_as_done_and_broken_practice_is_dropped(template, tmp_path):
+    Session, sid = _open(template, tmp_path)
+    (label, alice), (_, bob) = rating.add_raters(Session, sid, 2)
+    rating.start(Session, sid, alice, seed=1)
+    first, item_id, _ = _current(Session, sid, alice)
+    with Session() as s:
+        assert s.get(Item, item_id).kind == "practice"
+    with Session.begin() as s:  # the first practice pair does not load for alice
+        rating.report_problem(s, rating.get_rater(s, sid, alice), first, "not_loading")
+    rating.start(Session, sid, bob, seed=2)
+    bob_items = {a.item_id for a in _queue(Session, _rater_id(Session, sid, bob))}
+    assert item_id not in bob_items  # a broken practice pair is not served again
+    with Session.begin() as s:
+        assert rating.release_assignments(s, rating.find_rater(s, sid, label), "released") > 0
+    with Session() as s:
+        assert rating.stage(s, rating.get_rater(s, sid, alice)) == "released"
+    # Rating everything is still "done".
+    while (cur := _current(Session, sid, bob)) is not None:
+        _vote(Session, sid, bob, cur[0])
+    with Session() as s:
+        assert rating.stage(s, rating.get_rater(s, sid, bob)) == "done"

@@ -27,12 +27,18 @@ def side_for(answer: str, a_on_left: bool) -> str:
 
 def intended(rater: str, item: Item) -> str:
     """What each simulated rater answers (a / b / tie), deterministic per rater and item."""
+    if item.kind == "check_repeat":  # the same answer as to the main item it repeats…
+        if rater == "rater-003":  # …except rater 3, who reverses it
+            return "b"
+        return ("a", "tie", "b", "tie", "a")[(item.repeat_of + int(rater[-1])) % 5]
     if item.kind.startswith("check"):
         if rater == "rater-003":  # rater 3 fails every check
             return {"tie": "a", "a": "b", "b": "a"}[item.expected]
         return item.expected
     if item.kind == "practice":
         return "tie"
+    if rater == "rater-003":
+        return "a"
     return ("a", "tie", "b", "tie", "a")[(item.id + int(rater[-1])) % 5]
 
 
@@ -167,3 +173,97 @@ def test_organiser_exclusions_leave_the_analysis_with_their_reason(voted_study, 
         "rater-001": "rater excluded: left the room"}
     kept = [e for e in expected if e[1] == "main" and e[0] == "rater-002"]
     assert analysis["n_votes"]["main_after_exclusion"] == len(kept)
+
+
+# ------------------------------------------------------------------------------- check rules
+
+def _record(i, rater, item, kind, prompt, answer, expected=None):
+    from attnqat.eval.results import VoteRecord
+
+    return VoteRecord(i, rater, item, kind, prompt, 0, "attnqat", "bf16", expected, None, None,
+                      True, None, None, {"overall": answer}, {})
+
+
+def test_dodged_and_reported_checks_exclude_and_the_report_warns():
+    """A rater cannot dodge the checks: "report a problem and skip" on a check item counts as a
+    wrong answer, and a rater with fewer answered checks than required is excluded. When the
+    exclusions leave items short of their planned raters, or change a verdict, the report
+    says so."""
+    from attnqat.eval.results import analyze
+
+    votes, i = [], 0
+    # Three raters rate 12 prompts; the careful one answers both checks right and votes tie;
+    # the dodger skips (reports) both checks; the absent one never meets a check. Both vote "a".
+    for rater, answer in (("careful", "tie"), ("dodger", "a"), ("absent", "a")):
+        for p in range(12):
+            i += 1
+            votes.append(_record(i, rater, p, "main", f"prompt {p}", answer))
+    for item, expected in ((100, "tie"), (101, "a")):
+        i += 1
+        votes.append(_record(i, "careful", item, "check_identical", f"check {item}", expected,
+                             expected))
+    reports = [("dodger", "check_identical"), ("dodger", "check_degraded"), ("absent", "main")]
+    config = StudyConfig(name="rules", pairs=[("attnqat", "bf16")], ratings_per_item=3,
+                         n_boot=0, equivalence_margin=0.5)
+    result = analyze(votes, config, reports)
+    assert result["excluded_raters"] == ["absent", "dodger"]
+    assert result["raters"]["dodger"]["checks_answered"] == 2
+    assert result["raters"]["dodger"]["checks_correct"] == 0
+    assert result["raters"]["absent"]["too_few_checks"] is True
+    assert "fewer than 2 check item(s)" in result["exclusion_rule"]
+    warnings = " | ".join(result["warnings"])
+    assert "after exclusion 1 of 3 rater(s) remain; 12 of 12 main item(s) have fewer than the " \
+           "planned 3 rating(s)" in warnings
+    assert "the exclusions change the overall verdict" in warnings
+    # Without the reports the dodger keeps their votes only through the required-checks rule.
+    config.required_checks = 0
+    assert analyze(votes, config, [])["excluded_raters"] == []
+
+
+def test_exports_are_formula_safe_and_the_markdown_escapes_html(tmp_path):
+    from attnqat.eval import importer
+    from attnqat.eval.report import report_blocks, votes_csv, _md
+    from attnqat.eval.results import VoteRecord, analyze
+
+    hostile = "=HYPERLINK(\"http://x.example\",\"click\")"
+    votes = [VoteRecord(i + 1, "@rater" if i % 2 else "-r2", i, "main", f"+prompt {i}", 0,
+                        "attnqat", "bf16", None, None, None, True, None, None,
+                        {"overall": ("a", "tie", "b")[i % 3]}, {}, comment=hostile,
+                        excluded_by_organiser="rater excluded: <img src=x onerror=alert(1)>"
+                        if i == 0 else None) for i in range(12)]
+    text = votes_csv([v.flat() for v in votes])
+    cells = [c for row in csv.reader(text.splitlines()) for c in row]
+    assert not [c for c in cells if c[:1] in ("=", "+", "-", "@")], cells[:20]
+    assert "'=HYPERLINK" in text and "'@rater" in text and "'+prompt 0" in text
+    # The export reads back as it was.
+    path = tmp_path / "votes.csv"
+    path.write_text(text)
+    back = importer.read_votes(path)
+    assert [v.comment for v in back] == [hostile] * 12
+    assert {v.rater for v in back} == {"@rater", "-r2"} and back[0].prompt == "+prompt 0"
+    config = StudyConfig(name="<script>alert(1)</script>", pairs=[("attnqat", "bf16")], n_boot=0)
+    md = _md(report_blocks(analyze(votes, config)))
+    assert "<img" not in md and "<script" not in md
+    assert "&lt;img src=x onerror=alert(1)>" in md and "&lt;script>" in md
+
+
+def test_more_than_two_methods_get_a_bradley_terry_ranking(voted_study):
+    study, expected = voted_study
+    out = study.parent / "ranking-report"
+    assert cli_main(["eval", "report", "--study", str(study), "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    ranking = results["ranking"]
+    assert ranking["anchor"] == "bf16" and set(ranking["methods"]) == {"bf16", "attnqat", "nvfp4"}
+    assert sorted(m["rank"] for m in ranking["methods"].values()) == [1, 2, 3]
+    for m in ranking["methods"].values():
+        lo, hi = m["interval"]
+        assert lo <= m["score"] <= hi
+    md = (out / "report.md").read_text()
+    assert "Ranking of all methods (Bradley–Terry)" in md
+    # Two methods: the pairwise table says it all, no ranking.
+    from attnqat.eval.results import analyze, VoteRecord
+
+    two = [VoteRecord(i, "r", i, "main", f"p{i}", 0, "attnqat", "bf16", None, None, None, True,
+                      None, None, {"overall": "tie"}, {}) for i in range(5)]
+    assert analyze(two, StudyConfig(name="two", pairs=[("attnqat", "bf16")], n_boot=0))[
+        "ranking"] is None

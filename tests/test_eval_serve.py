@@ -87,7 +87,11 @@ def db_rows(study: Path, sql: str, *params) -> list[tuple]:
 
 
 def admin_client(server: LocalServer) -> httpx.Client:
-    return httpx.Client(base_url=server.url, auth=("admin", server.admin_password), timeout=TIMEOUT)
+    """The organiser's API client: the password, and the CSRF token every POST must carry."""
+    auth = ("admin", server.admin_password)
+    csrf = httpx.get(f"{server.url}/admin/api/csrf", auth=auth, timeout=TIMEOUT).raise_for_status().json()
+    return httpx.Client(base_url=server.url, auth=auth, timeout=TIMEOUT,
+                        headers={csrf["header"]: csrf["token"]})
 
 
 # ------------------------------------------------------------------------------- end to end
@@ -236,11 +240,54 @@ def test_admin_needs_the_password(served):
         assert {r["label"] for r in progress["raters"]} >= {"rater-001", "rater-002", "rater-003"}
         assert {i["kind"] for i in progress["items"]} >= {"main", "practice", "check_identical"}
         assert http.post("/admin/api/invites", json={"count": 2}).status_code == 401
-        new = http.post("/admin/api/invites", json={"count": 2},
-                        auth=("x", server.admin_password)).json()["invites"]
+        csrf = http.get("/admin/api/csrf", auth=("x", server.admin_password)).json()
+        new = http.post("/admin/api/invites", json={"count": 2}, auth=("x", server.admin_password),
+                        headers={csrf["header"]: csrf["token"]}).json()["invites"]
         assert len(new) == 2
         assert http.get(new[0]["link"]).status_code == 200  # a new invite works at once
     assert {t for _, t in invites(study)} >= {i["token"] for i in new}
+
+
+def test_admin_actions_need_this_origin_the_csrf_token_and_a_json_body(served):
+    """The organiser's browser sends the basic-auth password with any request to the server,
+    a form on another site included: the password alone changes nothing."""
+    study, server = served
+    with admin_client(server) as admin:
+        (new,) = admin.post("/admin/api/invites", json={"count": 1}).json()["invites"]
+        label = new["label"]
+        token = admin.headers["X-CSRF-Token"]
+    password = ("admin", server.admin_password)
+    with httpx.Client(base_url=server.url, auth=password, timeout=TIMEOUT) as http:
+        # No token (what a cross-site form sends): refused, nothing revoked or excluded.
+        for action in ("revoke", "release", "exclude"):
+            r = http.post(f"/admin/api/raters/{label}/{action}")
+            assert r.status_code == 403 and "CSRF" in r.json()["error"], r.text
+        r = http.post("/admin/api/invites", json={"count": 1})
+        assert r.status_code == 403
+        # The token, but from another origin: refused.
+        for headers in ({"Origin": "http://127.0.0.1:1"}, {"Origin": "null"},
+                        {"Sec-Fetch-Site": "cross-site"}, {"Referer": "http://evil.example/x"}):
+            r = http.post(f"/admin/api/raters/{label}/revoke",
+                          headers={"X-CSRF-Token": token, **headers})
+            assert r.status_code == 403 and "cross-origin" in r.json()["error"], headers
+        # The token and this origin, but an empty or non-JSON body: nobody is excluded.
+        same = {"X-CSRF-Token": token, "Origin": server.url}
+        r = http.post(f"/admin/api/raters/{label}/exclude", headers=same)
+        assert r.status_code == 422 and "excluded" in r.json()["error"]
+        r = http.post(f"/admin/api/raters/{label}/exclude", headers=same, json={})
+        assert r.status_code == 422 and "excluded" in r.json()["error"]
+        r = http.post(f"/admin/api/raters/{label}/exclude", content=b"excluded=true",
+                      headers={**same, "Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 415
+        r = http.post("/admin/api/items/1/exclude", headers=same)
+        assert r.status_code == 422
+    assert db_rows(study, "SELECT excluded, revoked_at FROM raters WHERE label = ?", label) == [
+        (0, None)]
+    assert db_rows(study, "SELECT excluded FROM items WHERE id = 1") == [(0,)]
+    with admin_client(server) as admin:  # the organiser's own page and API still work
+        r = admin.post(f"/admin/api/raters/{label}/exclude", headers={"Origin": server.url},
+                       json={"excluded": True, "reason": "test"})
+        assert r.status_code == 200 and r.json()["excluded"] is True
 
 
 def test_errors_are_json_with_an_error_key_and_one_invite_limit(served):
@@ -528,3 +575,191 @@ def test_killed_server_keeps_every_vote_and_raters_resume(runs, tmp_path):
         assert db_rows(study, "SELECT COUNT(*) - COUNT(DISTINCT assignment_id) FROM votes")[0][0] == 0
     finally:
         server.stop()
+
+
+# ------------------------------------------------------------------------------- serve options
+
+def test_serve_release_after_overrides_the_declared_value(runs, tmp_path):
+    """``attnqat eval serve --release-after`` is the value the server releases stale queues
+    with, not the one declared at build time (120 minutes here)."""
+    from datetime import timedelta
+
+    from fastapi.testclient import TestClient
+
+    from attnqat.eval import serve
+    from attnqat.eval.storage import utcnow
+
+    study = build(runs, tmp_path / "study", "--pairs", "attnqat:bf16", "--raters", "2",
+                  "--release-after", "120")
+    (_, idle), (_, busy) = invites(study)
+    server = serve.open_study(study, admin_password="pw", release_after=5)
+    with TestClient(serve.create_app(server)) as http:
+        assert http.post(f"/api/r/{idle}/start").status_code == 200
+        con = sqlite3.connect(study / "study.db")
+        stale = (utcnow() - timedelta(minutes=10)).isoformat(sep=" ")
+        con.execute("UPDATE raters SET last_seen_at = ? WHERE token = ?", (stale, idle))
+        con.commit()
+        con.close()
+        assert http.post(f"/api/r/{busy}/start").status_code == 200
+    released = db_rows(study, "SELECT a.release_reason FROM assignments a JOIN raters r ON "
+                              "r.id = a.rater_id WHERE r.token = ?", idle)
+    assert released and {r for (r,) in released} == {"inactive"}
+
+
+def test_request_bodies_are_limited_and_released_raters_are_told_so(runs, tmp_path):
+    """An unauthenticated 256 MiB POST was read whole (RSS +690 MB): bodies over the limit are
+    refused with 413 from the Content-Length, or once that many bytes arrived without one.
+    A rater whose queue the organiser released is told so, not "you rated everything"."""
+    from fastapi.testclient import TestClient
+
+    from attnqat.eval import serve
+
+    study = build(runs, tmp_path / "study", "--pairs", "attnqat:bf16", "--raters", "1")
+    ((label, token),) = invites(study)
+    server = serve.open_study(study, admin_password="pw")
+    with TestClient(serve.create_app(server)) as http:
+        big = b"x" * (serve.MAX_BODY_BYTES + 1)
+        r = http.post(f"/api/r/{token}/vote", content=big,
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "larger than" in r.json()["error"]
+        r = http.post(f"/api/r/{token}/vote", headers={"Content-Type": "application/json",
+                                                       "Content-Length": str(256 << 20)},
+                      content=b"{}")
+        assert r.status_code == 413
+
+        def chunks():  # no Content-Length: the server stops reading at the limit
+            for _ in range(64):
+                yield b"y" * 8192
+
+        r = http.post(f"/api/r/{token}/report", content=chunks(),
+                      headers={"Content-Type": "application/json"})
+        assert r.status_code == 413
+        # A normal request still works; then the organiser releases the rater's queue.
+        assert http.post(f"/api/r/{token}/start").status_code == 200
+        cur = http.get(f"/api/r/{token}/current").json()
+        assert cur["done"] is False
+        csrf = {"X-CSRF-Token": server.csrf_token}
+        r = http.post(f"/admin/api/raters/{label}/release", auth=("a", "pw"), headers=csrf)
+        assert r.status_code == 200 and r.json()["released"] > 0
+        cur = http.get(f"/api/r/{token}/current").json()
+        assert cur["done"] is True and cur["stage"] == "released"
+        assert http.get(f"/api/r/{token}/state").json()["stage"] == "released"
+        # New invites expire after the study's invite_days unless the request says otherwise.
+        r = http.post("/admin/api/invites", json={"count": 1, "days": 0}, auth=("a", "pw"),
+                      headers=csrf)
+        assert r.status_code == 200
+    rows = dict(db_rows(study, "SELECT label, expires_at FROM raters"))
+    assert rows[label] is not None and rows["rater-002"] is None
+
+
+def test_crowd_link_worker_ids_completion_code_and_export(runs, tmp_path):
+    """Crowd platforms: one study link with the worker id; one rater per worker id, at most
+    --crowd-raters; an invite opened by one worker id refuses another; who finishes gets the
+    completion code (and the platform's link); every exported vote carries its worker id."""
+    from fastapi.testclient import TestClient
+
+    from attnqat.eval import serve
+
+    url = "https://app.prolific.com/submissions/complete?cc=C0DE42"
+    study = build(runs, tmp_path / "study", "--pairs", "attnqat:bf16", "--raters", "1",
+                  "--crowd-raters", "2", "--completion-code", "C0DE42", "--completion-url", url,
+                  "--items-per-rater", "2")
+    config = json.loads((study / "study.json").read_text())
+    crowd = config["crowd_token"]
+    ((_, invite),) = invites(study)
+    server = serve.open_study(study, admin_password="pw")
+    with TestClient(serve.create_app(server), follow_redirects=False) as http:
+        r = http.get(f"/c/{crowd}?PROLIFIC_PID=worker_A")
+        assert r.status_code == 303 and r.headers["location"].startswith("/r/")
+        token_a = r.headers["location"][3:]
+        assert http.get(f"/c/{crowd}?worker_id=worker_A").headers["location"] == f"/r/{token_a}"
+        assert http.get(f"/c/{crowd}?worker_id=worker_B").status_code == 303
+        r = http.get(f"/c/{crowd}?worker_id=worker_C")  # the quota of two workers is reached
+        assert r.status_code == 403 and "all the workers" in r.json()["error"]
+        assert http.get(f"/c/{crowd}").status_code == 400
+        assert http.get("/c/wrong?worker_id=x").status_code == 404
+        assert http.get(f"/c/{crowd}?worker_id=<script>").status_code == 422
+        # A personal invite takes the worker id it is first opened with, and only that one.
+        assert http.get(f"/r/{invite}?worker_id=worker_D").status_code == 200
+        assert http.get(f"/r/{invite}?worker_id=worker_E").status_code == 403
+        assert http.get(f"/r/{invite}").status_code == 200
+        # worker A rates everything and gets the completion code.
+        state = http.post(f"/api/r/{token_a}/start").json()
+        assert "completion_code" not in state
+        while not (cur := http.get(f"/api/r/{token_a}/current").json())["done"]:
+            body = {"assignment": cur["assignment"], "overall": "tie",
+                    "criteria": {k: "tie" for k in CRIT_KEYS}}
+            assert http.post(f"/api/r/{token_a}/vote", json=body).status_code == 200
+        assert cur["completion_code"] == "C0DE42" and cur["completion_url"] == url
+        state = http.get(f"/api/r/{token_a}/state").json()
+        assert state["stage"] == "done" and state["completion_code"] == "C0DE42"
+        rows = list(csv.DictReader(http.get("/admin/api/export/votes.csv",
+                                            auth=("a", "pw")).text.splitlines()))
+        assert rows and list(rows[0])[:3] == ["vote_id", "rater", "worker_id"]
+        assert {r["worker_id"] for r in rows} == {"worker_A"}
+        progress = http.get("/admin/api/progress", auth=("a", "pw")).json()
+        assert {r["worker_id"] for r in progress["raters"]} == {"worker_A", "worker_B", "worker_D"}
+        results = http.get("/admin/api/results", auth=("a", "pw")).json()
+        assert "crowd_token" not in results["config"]
+
+
+def test_scripted_raters_cannot_dodge_checks_and_the_report_warns(runs, tmp_path):
+    """The audit's scripted raters, re-run through the HTTP API: a bot that decodes each served
+    pair, reports the pairs whose halves are identical (the identical checks) as broken and
+    votes at random otherwise, next to careful raters. Reporting a check counts as failing it,
+    so the bot is excluded; when exclusions leave items short of their planned raters the
+    report says so."""
+    import random
+
+    from fastapi.testclient import TestClient
+
+    from attnqat.eval import serve
+    from attnqat.video import read_mp4
+
+    study = build(runs, tmp_path / "study", "--pairs", "attnqat:bf16", "--raters", "3",
+                  "--ratings-per-item", "3", "--check-fraction", "0.5", "--n-boot", "0")
+    width = json.loads((study / "study.json").read_text())["encode"]["width"]
+    server = serve.open_study(study, admin_password="pw")
+    con = sqlite3.connect(study / "study.db")
+    expected = dict(con.execute("SELECT a.token, i.expected FROM assignments a JOIN items i ON "
+                                "i.id = a.item_id"))
+
+    def halves_identical(http, video: str) -> bool:
+        path = tmp_path / "pair.mp4"
+        path.write_bytes(http.get(video).content)
+        frames, _ = read_mp4(path)
+        frames = frames.astype(float)
+        left = frames[:, :, media.EDGE:media.EDGE + width]
+        right = frames[:, :, -media.EDGE - width:frames.shape[2] - media.EDGE]
+        return float(abs(left - right).mean()) < 2.0
+
+    rng = random.Random(0)
+    (_, careful_1), (_, careful_2), (bot_label, bot) = invites(study)
+    with TestClient(serve.create_app(server)) as http:
+        for token in (careful_1, careful_2, bot):
+            http.post(f"/api/r/{token}/start")
+            while not (cur := http.get(f"/api/r/{token}/current").json())["done"]:
+                a = cur["assignment"]
+                if token == bot and halves_identical(http, cur["video"]):
+                    r = http.post(f"/api/r/{token}/report", json={"assignment": a,
+                                                                   "reason": "not_loading"})
+                    assert r.status_code == 200
+                    continue
+                if token == bot:
+                    click = rng.choice(["left", "right"])
+                else:  # careful: the check's answer, else "about the same"
+                    exp = expected.get(a) or "tie"
+                    a_on_left = con.execute("SELECT a_on_left FROM assignments WHERE token = ?",
+                                            (a,)).fetchone()[0]
+                    click = "tie" if exp == "tie" else (
+                        "left" if (exp == "a") == bool(a_on_left) else "right")
+                body = {"assignment": a, "overall": click,
+                        "criteria": {k: "tie" for k in CRIT_KEYS}}
+                assert http.post(f"/api/r/{token}/vote", json=body).status_code == 200
+        results = http.get("/admin/api/results", auth=("a", "pw")).json()
+    con.close()
+    bot_row = results["raters"][bot_label]
+    assert bot_row["checks_answered"] >= 1 and bot_label in results["excluded_raters"]
+    assert bot_row["checks_correct"] < bot_row["checks_answered"]
+    assert len(results["excluded_raters"]) == 1
+    assert any("fewer than the planned 3 rating(s)" in w for w in results["warnings"])

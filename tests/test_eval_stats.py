@@ -11,7 +11,6 @@ import pytest
 from scipy import stats as sst
 from statsmodels.stats.descriptivestats import sign_test as sm_sign_test
 from statsmodels.stats.proportion import proportion_confint
-from statsmodels.stats.weightstats import ttost_paired
 
 from attnqat.eval import stats
 
@@ -55,66 +54,136 @@ def test_position_bias_is_a_binomial_test():
         sst.binomtest(30, 42, 0.5).pvalue, rel=1e-12)
 
 
-@pytest.mark.parametrize("margin", [0.05, 0.1, 0.15, 0.3])
-def test_tost_matches_statsmodels_on_the_paper_votes(margin):
-    x = np.array([1.0] * PAPER["win"] + [0.0] * PAPER["tie"] + [-1.0] * PAPER["lose"])
-    res = stats.tost_mean(x, margin)
-    p, (t1, p1, df1), (t2, p2, df2) = ttost_paired(x, np.zeros_like(x), -margin, margin)
-    assert res.p == pytest.approx(p, rel=1e-9)
-    assert res.p_lower == pytest.approx(p1, rel=1e-9)
-    assert res.p_upper == pytest.approx(p2, rel=1e-9)
-    assert res.df == df1 == df2
-    assert res.passed == (p < 0.05)
-    assert res.verdict == ("equivalent" if p < 0.05 else "not shown equivalent")
-    # Equivalence at level alpha <=> the (1 - 2 alpha) t interval lies inside (-margin, margin).
-    assert res.passed == (-margin < res.ci_low and res.ci_high < margin)
+def _votes(w: int, t: int, l_: int) -> np.ndarray:
+    """Per-prompt counts of one vote per prompt."""
+    return np.array([[1, 0, 0]] * w + [[0, 1, 0]] * t + [[0, 0, 1]] * l_, dtype=int).reshape(-1, 3)
 
 
-def test_tost_on_random_cluster_means_matches_statsmodels():
+@pytest.mark.parametrize("w,t,l_,delta0", [(16, 64, 19, 0.1), (16, 64, 19, -0.1), (3, 57, 0, 0.1),
+                                           (0, 99, 0, -0.1), (30, 10, 2, 0.3), (5, 0, 40, -0.5)])
+def test_restricted_mle_and_score_statistic_from_first_principles(w, t, l_, delta0):
+    """The closed-form restricted lose share maximizes the trinomial likelihood under
+    p_win − p_lose = Δ0 (checked by a numerical optimizer), and the statistic is
+    (W − L − nΔ0) over the standard deviation of W − L at those shares."""
+    from scipy.optimize import minimize_scalar
+
+    n = w + t + l_
+    lo, hi = max(0.0, -delta0), (1 - delta0) / 2
+
+    def nll(q: float) -> float:
+        pw, pl = q + delta0, q
+        pt = 1 - pw - pl
+        return -sum(k * math.log(max(p, 1e-300)) for k, p in ((w, pw), (t, pt), (l_, pl)) if k)
+
+    opt = minimize_scalar(nll, bounds=(lo, hi), method="bounded",
+                          options={"xatol": 1e-12}).x
+    q = float(stats.restricted_lose_share(w, l_, n, delta0))
+    assert nll(q) <= nll(opt) + 1e-9
+    pw, pl = q + delta0, q
+    sd = math.sqrt(n * (pw + pl - (pw - pl) ** 2))
+    z = float(stats.score_statistic(w, l_, n, delta0, continuity=0))
+    assert z == pytest.approx((w - l_ - n * delta0) / sd, rel=1e-9)
+    zc = float(stats.score_statistic(w, l_, n, delta0))  # one vote towards 0 (Edwards)
+    num = w - l_ - n * delta0
+    assert zc == pytest.approx(math.copysign(max(abs(num) - 1.0, 0), num) / sd)
+
+
+def test_the_cases_the_t_test_got_wrong_come_out_sensibly():
+    # 3 win / 57 tie / 0 lose: the t-test said "equivalent, p = 0.042". Three wins and no
+    # loss in 60 cannot exclude Δ = +10 points.
+    r = stats.margin_test_counts(_votes(3, 57, 0), 0.1, min_n=10)
+    assert r.passed is False and r.verdict == "not shown equivalent" and r.ci_high > 0.1
+    # 99 ties said "not enough data" and 98 ties + 1 win "equivalent, p = 1.5e-14". Both
+    # exclude ±10 points (at most ~3 % wins or losses), with p-values of one size.
+    all_ties = stats.margin_test_counts(_votes(0, 99, 0), 0.1, min_n=10)
+    one_win = stats.margin_test_counts(_votes(1, 98, 0), 0.1, min_n=10)
+    assert all_ties.verdict == one_win.verdict == "equivalent"
+    assert 1e-4 < all_ties.p < one_win.p < 0.01
+    assert -0.1 < all_ties.ci_low < 0 < all_ties.ci_high < 0.1
+    # 10 % wins, 90 % ties, no loss on 60 prompts: the truth may sit on the margin.
+    assert stats.margin_test_counts(_votes(6, 54, 0), 0.1, min_n=10).passed is False
+    # Intervals never leave ±100 points, even for one-sided data.
+    for counts in (_votes(99, 0, 0), _votes(0, 0, 12), _votes(1, 0, 0), _votes(3, 1, 0)):
+        r = stats.margin_test_counts(counts, 0.1)
+        assert -1 <= r.ci_low <= r.estimate <= r.ci_high <= 1
+    assert stats.margin_test_counts(_votes(99, 0, 0), 0.1).ci_high == 1.0
+
+
+@pytest.mark.parametrize("n,test", [(20, "equivalence"), (60, "equivalence"), (99, "equivalence"),
+                                    (20, "non-inferiority"), (60, "non-inferiority")])
+def test_exact_size_at_the_margin_stays_at_the_nominal_level(n, test):
+    """Type-I error at Δ = ±10 points, enumerated over every (W, T, L) of n prompts with one
+    vote each, for tie shares 0 … 95 % (none above 90 % can reach the margin). The full table
+    (200 prompts too) is in docs/eval.md: `attnqat eval plan --size-table`."""
+    sizes = [stats.margin_test_size(n, t / 100, 0.1, 0.05, test) for t in range(0, 100, 5)]
+    assert sizes[-1] is None  # 95 % ties: |Δ| <= 5 points, the null is empty
+    assert max(s for s in sizes if s is not None) <= 0.055
+    # The enumeration can see a size above nominal: without the continuity correction it
+    # reaches 5.7 % (equivalence, 200 prompts, 90 % ties) and 5.8 % (non-inferiority, 20
+    # prompts, no ties).
+    assert stats.margin_test_size(200, 0.9, 0.1, 0.05, continuity=0) > 0.055
+    assert stats.margin_test_size(20, 0.0, 0.1, 0.05, "non-inferiority", continuity=0) > 0.055
+
+
+def test_enumerated_verdict_probability_agrees_with_simulation():
+    rng = np.random.default_rng(5)
+    shares = (0.12, 0.80, 0.08)
+    exact = stats.verdict_probability(120, shares, 0.1, 0.05)
+    draws = rng.multinomial(120, shares, size=3000)
+    hits = 0
+    for w, _t, l_ in draws:
+        hits += bool(stats.margin_test_counts(_votes(int(w), int(120 - w - l_), int(l_)), 0.1).passed)
+    assert hits / 3000 == pytest.approx(exact, abs=3.5 * math.sqrt(exact * (1 - exact) / 3000) + 1e-3)
+
+
+def test_interval_and_tests_decide_alike():
     rng = np.random.default_rng(3)
-    for _ in range(5):
-        x = rng.uniform(-1, 1, size=rng.integers(3, 40))
-        res = stats.tost_mean(x, 0.2, alpha=0.1)
-        p, _, _ = ttost_paired(x, np.zeros_like(x), -0.2, 0.2)
-        assert res.p == pytest.approx(p, rel=1e-9)
-        assert res.passed == (p < 0.1)
+    for _ in range(30):
+        w, t, l_ = (int(x) for x in rng.multinomial(rng.integers(10, 150), (0.2, 0.6, 0.2)))
+        for test in ("equivalence", "non-inferiority"):
+            r = stats.margin_test_counts(_votes(w, t, l_), 0.15, 0.05, test=test)
+            inside = (r.ci_low > -0.15) and (test == "non-inferiority" or r.ci_high < 0.15)
+            assert r.passed == inside == (r.p < 0.05)
+            if test == "non-inferiority":
+                assert math.isnan(r.p_upper) and r.p == r.p_lower
 
 
-def test_tost_degenerate_cases_say_not_enough_data():
-    # Every prompt a tie: zero spread. The t statistic is undefined; a t-test would claim p = 0
-    # and "equivalent" from two votes. That is not evidence: the verdict is "not enough data".
-    for values in ([0.0, 0.0], [0.0] * 50, [1.0] * 10):
-        r = stats.tost_mean(values, 0.5)
-        assert r.passed is None and r.verdict == stats.NOT_ENOUGH_DATA
-        assert "same mean score" in r.note and math.isnan(r.p)
-    # Fewer than two prompts: nothing can be concluded either.
-    for values in ([], [0.3]):
-        r = stats.tost_mean(values, 0.5)
-        assert r.passed is None and r.verdict == stats.NOT_ENOUGH_DATA and math.isnan(r.p)
-    with pytest.raises(ValueError):
-        stats.tost_mean([0.0, 1.0], 0.0)
+def test_votes_sharing_a_prompt_inflate_the_variance():
+    base = _votes(20, 60, 20)
+    assert stats.design_effect(base) == 1.0  # one vote per prompt: no clustering
+    # Three raters who always agree add nothing: design effect 3, the statistic of the
+    # original votes (without the continuity correction).
+    tripled = base * 3
+    assert stats.design_effect(tripled) == pytest.approx(3.0)
+    w, l_, n = 60, 60, 300
+    z3 = float(stats.score_statistic(w, l_, n, 0.1, stats.design_effect(tripled), continuity=0))
+    z1 = float(stats.score_statistic(20, 20, 100, 0.1, continuity=0))
+    assert z3 == pytest.approx(z1)
+    r3 = stats.margin_test_counts(tripled, 0.1)
+    assert r3.design_effect == pytest.approx(3.0) and r3.n == 100 and r3.n_votes == 300
+    # Raters who disagree within a prompt as much as across prompts: no inflation.
+    mixed = np.array([[1, 1, 1]] * 40)
+    assert stats.design_effect(mixed) == 1.0
 
 
 def test_too_few_prompts_report_p_but_no_verdict():
-    x = [0.0, 0.1, -0.1, 0.05, -0.05]
-    few = stats.tost_mean(x, 0.5, min_n=10)
-    enough = stats.tost_mean(x, 0.5, min_n=5)
-    assert enough.passed is True and enough.p < 0.05
+    few = stats.margin_test_counts(_votes(0, 60, 0).reshape(5, 12, 3).sum(axis=1), 0.5, min_n=10)
+    enough = stats.margin_test_counts(_votes(0, 60, 0).reshape(5, 12, 3).sum(axis=1), 0.5, min_n=5)
+    assert enough.passed is True
     assert few.passed is None and few.verdict == stats.NOT_ENOUGH_DATA and "5 prompts" in few.note
-    assert few.p == pytest.approx(enough.p) and few.ci_low == pytest.approx(enough.ci_low)
+    assert few.p == pytest.approx(enough.p)
+    empty = stats.margin_test_counts(np.zeros((0, 3)), 0.1)
+    assert empty.passed is None and math.isnan(empty.p)
+    with pytest.raises(ValueError):
+        stats.margin_test_counts(_votes(1, 1, 1), 0.0)
 
 
-@pytest.mark.parametrize("margin", [0.05, 0.1, 0.2])
-def test_noninferiority_is_the_lower_one_sided_t_test(margin):
-    x = np.array([1.0] * PAPER["win"] + [0.0] * PAPER["tie"] + [-1.0] * PAPER["lose"])
-    res = stats.noninferiority_mean(x, margin)
-    ref = sst.ttest_1samp(x, -margin, alternative="greater").pvalue
-    assert res.p == pytest.approx(ref, rel=1e-9) and math.isnan(res.p_upper)
-    assert res.passed == (ref < 0.05)
-    # Decided by the lower end of the same 90 % interval that decides equivalence.
-    assert res.passed == (res.ci_low > -margin)
-    assert res.ci_low == pytest.approx(stats.tost_mean(x, margin).ci_low)
-    assert res.verdict == ("non-inferior" if res.passed else "not shown non-inferior")
+def test_holm_matches_statsmodels():
+    from statsmodels.stats.multitest import multipletests
+
+    p = [0.01, 0.04, 0.03, 0.2, 0.005]
+    assert stats.holm(p) == pytest.approx(multipletests(p, method="holm")[1].tolist())
+    assert math.isnan(stats.holm([0.01, math.nan])[1]) and stats.holm([0.01, math.nan])[0] == 0.01
 
 
 def test_exclusion_rule_error_rates_hand_worked():
@@ -229,11 +298,11 @@ def test_summarize_wtl_on_the_paper_counts():
     assert s["decisive"]["wilson"] == pytest.approx(proportion_confint(16, 35, method="wilson"))
     assert s["decisive"]["sign_test_p"] == pytest.approx(sst.binomtest(16, 35).pvalue)
     assert s["net_preference"]["estimate"] == pytest.approx(-3 / 99)
-    p, _, _ = ttost_paired(np.array([1.0] * 16 + [0.0] * 64 + [-1.0] * 19), np.zeros(99), -0.1, 0.1)
-    assert s["margin_test"]["p"] == pytest.approx(p)
-    assert s["margin_test"]["passed"] is False  # p = 0.12: not shown equivalent at ±10 points
-    assert s["margin_test"]["ci_low"] == pytest.approx(-0.130, abs=5e-4)
-    assert s["margin_test"]["ci_high"] == pytest.approx(0.069, abs=5e-4)
+    ref = stats.margin_test_counts(_votes(16, 64, 19), 0.1)
+    assert s["margin_test"]["p"] == pytest.approx(ref.p)
+    assert s["margin_test"]["passed"] is False  # p = 0.16: not shown equivalent at ±10 points
+    assert s["margin_test"]["ci_low"] == pytest.approx(-0.1396, abs=5e-4)
+    assert s["margin_test"]["ci_high"] == pytest.approx(0.0793, abs=5e-4)
 
 
 def test_summarize_wtl_empty_and_tiny_cells():
@@ -248,7 +317,7 @@ def test_summarize_wtl_empty_and_tiny_cells():
     assert any("decisive" in w for w in two_ties["warnings"])
 
 
-def test_summarize_wtl_tests_per_prompt_means_not_votes():
+def test_summarize_wtl_tests_prompt_clusters_not_votes():
     rng = np.random.default_rng(7)
     outcomes, clusters = [], []
     for prompt in range(12):
@@ -256,11 +325,58 @@ def test_summarize_wtl_tests_per_prompt_means_not_votes():
             outcomes.append(str(rng.choice(stats.OUTCOMES)))
             clusters.append(prompt)
     s = stats.summarize_wtl(outcomes, clusters, margin=0.2, alpha=0.05, n_boot=200)
-    # Independent per-prompt means.
-    scores = np.array([stats.SCORES[o] for o in outcomes], dtype=float)
-    cl = np.array(clusters)
-    means = np.array([scores[cl == p].mean() for p in range(12)])
-    p, _, _ = ttost_paired(means, np.zeros_like(means), -0.2, 0.2)
-    assert s["margin_test"]["n"] == 12
-    assert s["margin_test"]["p"] == pytest.approx(p, rel=1e-9)
+    _, counts = stats.counts_by_cluster(outcomes, clusters)
+    ref = stats.margin_test_counts(counts, 0.2, 0.05)
+    assert s["margin_test"]["n"] == 12 and s["margin_test"]["n_votes"] == len(outcomes)
+    assert s["margin_test"]["p"] == pytest.approx(ref.p, rel=1e-12)
+    assert s["margin_test"]["design_effect"] == pytest.approx(stats.design_effect(counts))
     assert s["n_votes"] == len(outcomes)
+
+
+# --------------------------------------------------------------------------- Bradley–Terry
+
+def test_bradley_terry_mm_is_the_maximum_likelihood_fit():
+    from scipy.optimize import minimize
+
+    rng = np.random.default_rng(11)
+    wins = rng.integers(0, 30, size=(4, 4)).astype(float)
+    np.fill_diagonal(wins, 0)
+    wins[0, 3] += 0.5
+    wins[3, 0] += 0.5  # a tie, half to each side
+    prior = stats.BT_PRIOR
+    w = wins + prior * ((wins + wins.T) > 0)
+
+    def nll(theta):
+        t = np.concatenate([[0.0], theta])
+        diff = t[:, None] - t[None, :]
+        return float((w * np.log1p(np.exp(-diff))).sum())
+
+    opt = minimize(nll, np.zeros(3), method="BFGS", options={"gtol": 1e-10}).x
+    ref = np.concatenate([[0.0], opt])
+    ours = stats.bradley_terry(wins)
+    assert ours - ours[0] == pytest.approx(ref, abs=1e-5)
+    with pytest.raises(ValueError, match="connect"):
+        stats.bradley_terry(np.array([[0, 3, 0], [2, 0, 0], [0, 0, 0]]))
+
+
+def test_bradley_terry_ranking_recovers_known_strengths_with_bootstrap_intervals():
+    rng = np.random.default_rng(2)
+    true = {"bf16": 0.0, "attnqat": -0.1, "sage3": -0.5, "nvfp4": -1.0}
+    comparisons = []
+    for prompt in range(150):
+        for a in ("attnqat", "sage3", "nvfp4"):
+            for b in ("bf16", "attnqat", "sage3"):
+                if a != b and (a, b) != ("sage3", "attnqat"):
+                    p_a = 1 / (1 + math.exp(true[b] - true[a]))
+                    comparisons.append((a, b, "win" if rng.random() < p_a else "lose", prompt))
+    r = stats.bradley_terry_ranking(comparisons, anchor="bf16", n_boot=300, seed=1)
+    m = r["methods"]
+    assert [name for name, _ in sorted(m.items(), key=lambda kv: kv[1]["rank"])] == [
+        "bf16", "attnqat", "sage3", "nvfp4"]
+    assert m["bf16"]["score"] == 1000.0 and m["bf16"]["interval"] == (1000.0, 1000.0)
+    for name, strength in true.items():
+        expected = 1000 + stats.BT_SCALE * strength
+        lo, hi = m[name]["interval"]
+        assert lo <= m[name]["score"] <= hi
+        assert lo - 15 <= expected <= hi + 15, (name, expected, lo, hi)
+    assert r["n_prompts"] == 150 and r["n_boot"] == 300

@@ -279,7 +279,8 @@ def test_failed_build_leaves_no_half_study(generated, tmp_path):
     config = StudyConfig(name="s", pairs=[("nvfp4", "bf16")], check_fraction=0, practice_items=0,
                          encode={"width": 64, "height": 64, "fps": 8.0, "frames": 17})
     from attnqat.eval.media import MediaError
-    with pytest.raises(MediaError, match="ffmpeg failed"):
+    # Every source is probed first (for the length warnings), so the broken clip is named there.
+    with pytest.raises(MediaError, match=f"cannot read clip {broken}"):
         build_study(bad, out, config, progress=False)
     assert not out.exists()
 
@@ -305,3 +306,50 @@ def test_study_in_another_database_url(generated, tmp_path):
     assert cli_main(["eval", "report", "--db", url, "--name", "second", "--n-boot", "50",
                      "--out", str(tmp_path / "r")]) == 0
     assert json.loads((tmp_path / "r" / "results.json").read_text())["study"] == "second"
+
+
+# ---------------------------------------------------------------------------- round 3 (#35)
+
+def test_symlinked_folders_are_followed(generated, tmp_path):
+    runs, prompts = generated
+    linked = tmp_path / "linked"
+    (linked / "batch").mkdir(parents=True)
+    for folder in sorted(runs.iterdir())[:3]:
+        (linked / "batch" / folder.name).symlink_to(folder, target_is_directory=True)
+    (linked / "loop").symlink_to(linked, target_is_directory=True)  # a cycle ends
+    (tmp_path / "top").symlink_to(linked, target_is_directory=True)
+    clips = sources.load_sources([tmp_path / "top"])
+    assert len(clips) == 3 * len(METHODS)
+
+
+def test_clips_cut_or_held_to_the_study_length_are_warned(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    prompts = sources.read_prompts()[:6]
+    write_demo_outputs(runs / "short", prompts[:5], methods=("bf16", "attnqat"), n_frames=9)
+    write_demo_outputs(runs / "long", prompts[5:], methods=("bf16", "attnqat"), n_frames=17)
+    assert cli_main(["eval", "build", str(runs), "--out", str(tmp_path / "s"), "--quiet",
+                     "--check-fraction", "0", "--practice", "0"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"warning: 2 clip\(s\) are longer than the study's 9 frames and are cut to "
+                     r"them \(e\.g\. .*: 17 frames\)", out), out
+
+
+def test_probing_a_clip_stops_ffmpeg_cleanly(generated, caplog, monkeypatch):
+    """The build probes every source. Closing imageio-ffmpeg's frame reader after the first
+    frame kills ffmpeg when it does not stop in time (a loaded machine, large clips) and logs
+    "We had to kill ffmpeg to stop it." into the build output: the probe reads the header
+    without a frame reader, so nothing is left to kill."""
+    runs, _ = generated
+    import logging
+
+    import imageio_ffmpeg
+
+    def no_reader(*_args, **_kwargs):
+        raise AssertionError("probe started a frame reader")
+
+    monkeypatch.setattr(imageio_ffmpeg, "read_frames", no_reader)
+    caplog.set_level(logging.WARNING)
+    for path in sorted(runs.rglob("*.mp4")):
+        info = media.probe(path)
+        assert (info.width, info.height, info.fps) == (64, 64, 8.0)
+    assert not [r for r in caplog.records if "kill" in r.getMessage()]

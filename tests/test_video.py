@@ -95,3 +95,36 @@ def test_psnr_and_ssim():
     assert video.ssim(clip, noisy[2]) == pytest.approx(ss[2])  # symmetric
     with pytest.raises(ValueError, match="differ in shape"):
         video.psnr(clip, clip[:-1])
+
+
+def test_ffmpeg_never_reads_the_callers_stdin(tmp_path):
+    """Inside ``while read p; do attnqat generate …; done < prompts.txt`` every ffmpeg call
+    inherits the loop's stdin; without ``-nostdin`` ffmpeg reads it as keyboard input and eats
+    bytes of the prompt list. A child process with stdin on a pipe runs every ffmpeg call of
+    this module and then reads its stdin: every byte must still be there."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import sys
+        import numpy as np
+        from attnqat import video
+        video.drawtext_font.cache_clear()
+        video.drawtext_font()
+        # noise takes x264 long enough (> 0.1 s) for ffmpeg to poll its "keyboard"
+        clip = np.random.default_rng(0).integers(0, 256, (48, 128, 192, 3), dtype=np.uint8)
+        a = video.write_mp4(clip, {str(tmp_path / 'a.mp4')!r}, fps=16)
+        b = video.write_mp4(clip[::-1], {str(tmp_path / 'b.mp4')!r}, fps=16)
+        for renderer in ("pillow", "auto"):
+            video.side_by_side({{"A": a, "B": b}}, {str(tmp_path / 'sbs.mp4')!r}, renderer=renderer)
+        video.read_mp4(a)
+        data = sys.stdin.buffer.read()
+        sys.stdout.write(str(len(data)))
+    """)
+    payload = b"".join(f"a prompt number {i}: an orange circle moves right\n".encode()
+                       for i in range(400))
+    proc = subprocess.run([sys.executable, "-c", script], input=payload, capture_output=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    assert proc.stdout.decode().strip() == str(len(payload))

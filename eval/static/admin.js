@@ -12,9 +12,17 @@
 
   function get(path) { return fetch(path, { cache: "no-store" }).then(readJson); }
 
+  // Every state-changing request carries the page's CSRF token (a page on another origin
+  // cannot read it, and a plain form cannot set a header).
+  var csrf = document.querySelector('meta[name="csrf-token"]').content;
+
   function post(path, body) {
-    return fetch(path, { method: "POST", headers: { "Content-Type": "application/json" },
-                         body: JSON.stringify(body || {}) }).then(readJson);
+    var options = { method: "POST", headers: { "X-CSRF-Token": csrf } };
+    if (body !== undefined) {
+      options.headers["Content-Type"] = "application/json";
+      options.body = JSON.stringify(body);
+    }
+    return fetch(path, options).then(readJson);
   }
 
   function cell(row, content) {
@@ -87,6 +95,7 @@
   function status(r) {
     var s = [];
     if (r.revoked) s.push("revoked");
+    if (r.expires && new Date(r.expires) < new Date()) s.push("expired");
     if (r.excluded) s.push("excluded" + (r.exclusion_reason ? ": " + r.exclusion_reason : ""));
     if (r.released) s.push(r.released + " released");
     return s.join("; ") || "active";
@@ -98,7 +107,8 @@
       var count = document.getElementById("invite-count");
       count.max = data.invite_limit;
       count.title = "at most " + data.invite_limit + " at a time";
-      fill("raters", data.raters, ["label", function (r) { return location.origin + "/r/" + r.token; },
+      fill("raters", data.raters, ["label", function (r) { return r.worker_id || "–"; },
+        function (r) { return location.origin + "/r/" + r.token; },
         function (r) { return r.started ? "yes" : "no"; }, function (r) { return r.done + "/" + r.total; },
         "practice_done", "checks_answered", function (r) { return pct(r.check_accuracy); },
         function (r) { return r.median_view_seconds === null ? "–" : r.median_view_seconds.toFixed(1) + " s"; },

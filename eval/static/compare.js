@@ -26,7 +26,7 @@
                arrowdown: "tie", x: "both_bad" };
 
   function show(id) {
-    ["instructions", "task", "finished", "full", "problem"].forEach(function (s) {
+    ["instructions", "task", "finished", "released", "full", "problem"].forEach(function (s) {
       document.getElementById(s).hidden = s !== id;
     });
   }
@@ -55,10 +55,22 @@
     show("problem");
   }
 
-  function route(stage) {
+  function showCompletion(data) {
+    if (!data || !data.completion_code) return;
+    document.querySelectorAll(".completion").forEach(function (p) {
+      p.hidden = false;
+      p.querySelector(".completion-code").textContent = data.completion_code;
+      var link = p.querySelector(".completion-link");
+      if (data.completion_url) { link.href = data.completion_url; link.hidden = false; }
+    });
+  }
+
+  function route(stage, data) {
+    showCompletion(data);
     if (stage === "instructions") show("instructions");
     else if (stage === "practice" || stage === "rating") loadPair();
     else if (stage === "done") show("finished");
+    else if (stage === "released") show("released");
     else if (stage === "full") show("full");
     else fail(new Error("unexpected state"));
   }
@@ -210,7 +222,10 @@
 
   function loadPair() {
     request("GET", "current").then(function (data) {
-      if (data.done) { stopAll(); show("finished"); return; }
+      if (data.done) {
+        stopAll(); showCompletion(data);
+        show(data.stage === "released" ? "released" : "finished"); return;
+      }
       current = data;
       var p = data.progress;
       var banner = document.getElementById("banner");
@@ -289,7 +304,7 @@
   });
 
   document.getElementById("start").addEventListener("click", function () {
-    request("POST", "start").then(function (data) { route(data.stage); }).catch(fail);
+    request("POST", "start").then(function (data) { route(data.stage, data); }).catch(fail);
   });
   document.getElementById("retry").addEventListener("click", init);
   document.getElementById("reload-pair").addEventListener("click", function () {
@@ -314,7 +329,7 @@
       loadTimeout = data.load_timeout || loadTimeout;
       practiceLine(data.practice_items || 0);
       buildQuestions();
-      route(data.stage);
+      route(data.stage, data);
     }).catch(fail);
   }
   init();
