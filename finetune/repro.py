@@ -4,6 +4,11 @@ Claims (arXiv 2603.00040), at small scale: (1) naive 4-bit attention degrades a 
 model; (2) fine-tuning with Attn-QAT recovers the quality without SageAttention3's outlier
 heuristics; (3) fine-tuning with a drop-in 4-bit forward and an ordinary backward is unstable.
 
+Evaluation discipline (docs/repro.md): held-out prompts 0-899 are the development set, 900-1399
+the confirmatory set (evaluated once, only after ``docs/repro/protocol.md`` is committed), prompts
+from 1400 on are never evaluated; the eval and probe stages refuse a range that breaks this
+(:func:`attnqat.finetune.heldout.check_prompt_range`) before any work.
+
 Stages (``--stages``, any subset, in this order; each continues what an earlier call left):
 
 ``train``
@@ -26,7 +31,7 @@ Stages (``--stages``, any subset, in this order; each continues what an earlier 
 ``report``
     Rates with 95 % Wilson intervals, paired comparisons (exact McNemar test on the clips
     all-correct; the difference with a paired bootstrap interval over prompts), the runs' loss
-    and gradient-norm curves as PNG, written to ``--doc`` (default ``docs/repro.md``) with the
+    and gradient-norm curves as PNG, written to ``--doc`` (default ``WORK/report.md``) with the
     commands that made every number.
 ``ship``
     Copies the ``attnqat`` run's export to ``--ship-to`` (default ``assets/tiny-wan-qat``) with its
@@ -140,7 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-limit", type=float, default=0.0,
                         help="minutes for the train stage (runs stop with a checkpoint and resume "
                              "on the next call; 0: none)")
-    parser.add_argument("--doc", type=Path, default=Path("docs/repro.md"), help="report to write")
+    parser.add_argument("--doc", type=Path, default=None,
+                        help="report to write (default: WORK/report.md; docs/repro.md is written by hand)")
     parser.add_argument("--notes", type=Path, default=None,
                         help="a Markdown file the report includes after its header (how the runs "
                              "were executed, what was tried before, the interpretation)")
@@ -697,6 +703,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"attnqat repro: --size must be a positive multiple of 16 and --frames 4k+1, got "
               f"{args.size} and {args.frames}", file=sys.stderr)
         return 2
+    from .heldout import PromptRangeError, check_prompt_range
+
+    try:   # the evaluation discipline (docs/repro.md), before any work
+        if "eval" in stages:
+            check_prompt_range(args.eval_offset, args.eval_prompts)
+        if "probe" in stages:
+            check_prompt_range(args.eval_offset, args.probe_prompts)
+    except PromptRangeError as exc:
+        print(f"attnqat repro: {exc}", file=sys.stderr)
+        return 2
+    if args.doc is None:
+        args.doc = args.work / "report.md"
     command = command_line(args)
     for stage in stages:
         rc = {"train": lambda: stage_train(args, runs), "eval": lambda: stage_eval(args, runs, configs),

@@ -147,3 +147,56 @@ def test_clip_size_reaches_training_and_evaluation_and_is_not_mixed(tmp_path):
     assert R.main([*args, "--stages", "eval", "--configs", "base-nvfp4"]) == 2
     assert R.main([*args, "--size", "32", "--stages", "eval", "--configs", "base-nvfp4"]) == 2
     assert not (work / "eval" / "base-nvfp4.json").exists()
+
+
+def _git(root, *a):
+    import subprocess
+
+    subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True)
+
+
+def test_prompt_ranges_follow_the_evaluation_discipline(tmp_path, monkeypatch, capsys):
+    """Prompts >= 1400 are never evaluated; 900-1399 only once docs/repro/protocol.md is committed
+    (and unmodified); 0-899 always. Refused before any work, in one line."""
+    from attnqat.finetune import heldout as H
+
+    root = tmp_path / "repo"
+    (root / "docs" / "repro").mkdir(parents=True)
+    monkeypatch.setattr(H, "PROJECT_ROOT", root)
+    assert H.check_prompt_range(0, 900) == "development" and H.check_prompt_range(100, 800) == "development"
+    for first, n in ((1400, 1), (1300, 101), (0, 1401), (1399, 2)):
+        with pytest.raises(H.PromptRangeError, match="never evaluated"):
+            H.check_prompt_range(first, n)
+    # no protocol, then no git checkout, then uncommitted, then committed, then modified
+    with pytest.raises(H.PromptRangeError, match="does not exist"):
+        H.check_prompt_range(900, 500)
+    (root / H.PROTOCOL).write_text("# protocol\n")
+    with pytest.raises(H.PromptRangeError, match="not a git checkout"):
+        H.check_prompt_range(899, 2)
+    _git(root, "init", "-q")
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "start")
+    with pytest.raises(H.PromptRangeError, match="not committed"):
+        H.check_prompt_range(900, 500)
+    _git(root, "add", H.PROTOCOL)
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "protocol")
+    assert H.check_prompt_range(900, 500) == "confirmatory"
+    with pytest.raises(H.PromptRangeError, match="never evaluated"):
+        H.check_prompt_range(900, 501)
+    (root / H.PROTOCOL).write_text("# protocol, changed after the fact\n")
+    with pytest.raises(H.PromptRangeError, match="uncommitted changes"):
+        H.check_prompt_range(950, 10)
+    # the command refuses before touching the work folder, with one line naming the rule
+    monkeypatch.setattr(H, "PROJECT_ROOT", tmp_path / "nowhere")
+    work = tmp_path / "work"
+    base = ["--work", str(work), "--model", "unused", "--runs", "attnqat", "--device", "cpu"]
+    capsys.readouterr()
+    assert R.main([*base, "--stages", "eval", "--eval-offset", "1400", "--eval-prompts", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "1400" in err and "never evaluated" in err
+    assert R.main([*base, "--stages", "probe", "--eval-offset", "890", "--probe-prompts", "16"]) == 2
+    assert "confirmatory" in capsys.readouterr().err
+    assert R.main([*base, "--stages", "eval", "--eval-offset", "100", "--eval-prompts", "1300"]) == 2
+    assert not work.exists()
+    # the generation path itself refuses too (attnqat finetune tiny's eval goes through it)
+    with pytest.raises(H.PromptRangeError):
+        H.inputs(None, 1400, 1)
