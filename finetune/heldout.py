@@ -193,11 +193,30 @@ def summary_row(scores: list[dict]) -> dict:
     return {k: s[k] for k in SUMMARY_KEYS}
 
 
+def pairwise_similarity(clips: list[np.ndarray], reference: list[np.ndarray],
+                        workers: int = 0) -> list[tuple[float, float]]:
+    """(PSNR, SSIM) of every clip against its reference (same prompts and seeds), in ``workers``
+    processes (0: here); identical clips have an infinite PSNR."""
+    if len(clips) != len(reference):
+        raise ValueError(f"{len(clips)} clips against {len(reference)} references")
+    return _pool_map(_compare, list(zip(clips, reference)), workers)
+
+
+def summarize_similarity(pairs: list[tuple[float, float]]) -> dict:
+    """Mean and median PSNR, mean SSIM of per-clip (PSNR, SSIM) pairs; clips identical to their
+    reference are counted, not averaged (their PSNR is infinite)."""
+    finite = [p for p, _ in pairs if math.isfinite(p)]
+    return {"psnr": float(np.mean(finite)) if finite else None,
+            "psnr_median": float(np.median(finite)) if finite else None,
+            "identical": len(pairs) - len(finite),
+            "ssim": float(np.mean([s for _, s in pairs]))}
+
+
 def similarity(clips: list[np.ndarray], reference: list[np.ndarray], workers: int = 0) -> dict:
     """Mean and median PSNR, mean SSIM of ``clips`` against ``reference`` (same prompts and seeds),
     in ``workers`` processes (0: here); clips identical to their reference are counted, not
     averaged (their PSNR is infinite)."""
-    pairs = _pool_map(_compare, list(zip(clips, reference)), workers)
+    pairs = pairwise_similarity(clips, reference, workers)
     finite = [p for p, _ in pairs if math.isfinite(p)]
     return {"psnr": float(np.mean(finite)) if finite else None,
             "psnr_median": float(np.median(finite)) if finite else None,
@@ -206,5 +225,5 @@ def similarity(clips: list[np.ndarray], reference: list[np.ndarray], workers: in
 
 
 __all__ = ["CONFIRMATORY", "DEVELOPMENT", "HeldoutInputs", "OUTSIDE_FIRST", "PROTOCOL", "PromptRangeError",
-           "SUMMARY_KEYS", "check_prompt_range", "protocol_committed", "generate_clips", "inputs", "score_all", "similarity",
+           "SUMMARY_KEYS", "check_prompt_range", "pairwise_similarity", "protocol_committed", "summarize_similarity", "generate_clips", "inputs", "score_all", "similarity",
            "summary_row"]
