@@ -274,3 +274,39 @@ def test_seeds_records_and_report(tmp_path):
     s1 = [c["all_correct"] for c in rec["clips"]]
     recs = R.load_evals(work)["qat-nvfp4"]
     assert list(R.outcomes(recs)) == pytest.approx([(a + b) / 2 for a, b in zip(s0, s1)])
+
+
+def test_readme_repro_table_matches_the_report_json():
+    """Every number of the README's repro table (the one after a ``<!-- repro-table: JSON -->``
+    marker) is the report JSON's, rounded as the report rounds it."""
+    import re
+    from pathlib import Path
+
+    from attnqat.eval.stats import wilson_interval
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    marks = list(re.finditer(r"<!-- repro-table: (\S+) -->\n((?:\|.*\|\n)+)", text))
+    assert marks, "the README's repro table lost its <!-- repro-table: JSON --> marker"
+    labels = {lab: c for c, (_, _, lab) in R.CONFIGS.items()}
+    checked = 0
+    for m in marks:
+        rep = json.loads((root / m.group(1)).read_text())
+        rows = [r.strip("|").split("|") for r in m.group(2).strip().splitlines()[2:]]
+        for cells in rows:
+            cells = [c.strip().replace("−", "-") for c in cells]
+            label = re.sub(r"\s*\(shipped\)$", "", cells[0].replace("**", ""))
+            assert label in labels, f"README row {label!r} names no configuration"
+            c = labels[label]
+            s = rep["summaries"][c]
+            k, n = round(s["all_correct"] * s["clips"]), s["clips"]
+            lo, hi = wilson_interval(k, n)
+            assert cells[1].replace("**", "") == f"{100 * k / n:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]", c
+            if c == "base-bf16":
+                assert cells[2] == ""
+                continue
+            pr = rep["pairs"][f"{c} vs base-bf16"]
+            want = f"{100 * pr['diff']:+.1f} [{100 * pr['lo']:+.1f}, {100 * pr['hi']:+.1f}], p {R._p(pr['p'], '= ')}"
+            assert cells[2].replace("-0.0", "+0.0") == want.replace("-0.0", "+0.0"), c
+            checked += 1
+    assert checked >= 3
