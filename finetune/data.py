@@ -328,13 +328,20 @@ class RankSamples(torch.utils.data.IterableDataset):
         while True:
             chunk = [next(samples) for _ in range(self.batch)]
             if m % n == w:
-                yield [(g, self.source.load(self.order.item(g))) for g in chunk]
+                try:
+                    yield [(g, self.source.load(self.order.item(g))) for g in chunk]
+                except DataError as exc:   # handed over as the batch; Batches raises it
+                    yield exc
+                    return
             m += 1
 
 
-def collate(batch: list[tuple[int, Item]]) -> dict:
+def collate(batch: list[tuple[int, Item]] | DataError) -> dict | DataError:
     """Items → ``{"samples": (B,) int64, "names", and "video" (B, T, H, W, 3) uint8 + "captions",
-    or "latents" (B, C, T', H', W') + "text" (list of (tokens, D))}``."""
+    or "latents" (B, C, T', H', W') + "text" (list of (tokens, D))}``; a :class:`DataError`
+    passes through."""
+    if isinstance(batch, DataError):
+        return batch
     samples = torch.tensor([g for g, _ in batch], dtype=torch.long)
     items = [it for _, it in batch]
     out: dict = {"samples": samples, "names": [it.name for it in items]}
@@ -347,23 +354,99 @@ def collate(batch: list[tuple[int, Item]]) -> dict:
     return out
 
 
-def _worker_ignores_stop_signals(_worker_id: int) -> None:
-    """SIGTERM / SIGINT sent to the whole process group (``timeout``, a scheduler, Ctrl-C) must
-    reach the training loop, which saves a checkpoint first, and not kill the workers under it."""
+# DataLoader workers and stop signals. SIGTERM / SIGINT sent to the whole process group
+# (``timeout``, a scheduler, Ctrl-C) must reach the training loop, which saves a checkpoint first,
+# and not kill the workers under it; so a worker ignores them, until the main process shuts its
+# loader down (:meth:`Batches.close`, or the interpreter exiting after a crash), when they end it.
+# Without that last part a crashed run never exits: multiprocessing's exit handler SIGTERMs the
+# workers and waits for them forever.
+
+_OPEN_FLAGS: list = []   # the "shutting down" flags of the loaders not yet closed
+
+
+def _release_workers_at_exit() -> None:
+    """Registered with atexit after multiprocessing's own exit handler, so it runs before it."""
+    for flag in _OPEN_FLAGS:
+        flag.value = True
+
+
+def _worker_obeys_stop_signals_only_when_released(flag, _worker_id: int) -> None:
+    import os
     import signal
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def handle(_signum, _frame) -> None:
+        if flag.value:
+            os._exit(0)   # the main process is shutting the loader down; exit code 0: not a failure
+
+    signal.signal(signal.SIGINT, handle)
+    signal.signal(signal.SIGTERM, handle)
+
+
+class Batches:
+    """Endless micro-batches (:func:`collate`) of one rank, read by DataLoader workers that end
+    with the loader: :meth:`close` (also on leaving a ``with`` block) stops them within seconds,
+    whatever they are doing. A clip that cannot be read raises its :class:`DataError` here, as the
+    one line the worker wrote, not wrapped in the worker's traceback."""
+
+    def __init__(self, ds: "RankSamples", workers: int) -> None:
+        import atexit
+        import ctypes
+        import functools
+        import multiprocessing
+
+        self._flag = None
+        init = None
+        if workers:
+            self._flag = multiprocessing.RawValue(ctypes.c_bool, False)
+            if not _OPEN_FLAGS:
+                atexit.unregister(_release_workers_at_exit)
+                atexit.register(_release_workers_at_exit)
+            _OPEN_FLAGS.append(self._flag)
+            init = functools.partial(_worker_obeys_stop_signals_only_when_released, self._flag)
+        self._it = iter(torch.utils.data.DataLoader(
+            ds, batch_size=None, collate_fn=collate, num_workers=workers,
+            prefetch_factor=4 if workers else None, persistent_workers=False, worker_init_fn=init))
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> dict:
+        if self._it is None:
+            raise RuntimeError("the data loader is closed")
+        batch = next(self._it)
+        if isinstance(batch, DataError):
+            raise batch
+        return batch
+
+    def close(self) -> None:
+        """Stop the workers: ask each to finish (torch's own shutdown, a few seconds at most),
+        then SIGTERM, which they now obey, then SIGKILL what is left."""
+        it, self._it = self._it, None
+        if it is None or self._flag is None:
+            return
+        self._flag.value = True
+        try:
+            it._shutdown_workers()
+        finally:
+            for w in getattr(it, "_workers", ()):
+                if w.is_alive():
+                    w.kill()
+                    w.join(timeout=5)
+            _OPEN_FLAGS.remove(self._flag)
+
+    def __enter__(self) -> "Batches":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def loader(source, order: DataOrder, *, start: int, batch: int, rank: int, world: int,
-           accum: int = 1, workers: int = 0):
-    """Endless micro-batches (:func:`collate`) of one rank from global sample ``start``."""
+           accum: int = 1, workers: int = 0) -> Batches:
+    """Endless micro-batches (:func:`collate`) of one rank from global sample ``start``; close
+    it (:meth:`Batches.close`) when done, also after a crash."""
     ds = RankSamples(source, order, start=start, batch=batch, rank=rank, world=world, accum=accum)
-    return iter(torch.utils.data.DataLoader(ds, batch_size=None, collate_fn=collate,
-                                            num_workers=workers, prefetch_factor=4 if workers else None,
-                                            persistent_workers=False,
-                                            worker_init_fn=_worker_ignores_stop_signals if workers else None))
+    return Batches(ds, workers)
 
 
 def pad_text(texts: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -377,6 +460,6 @@ def pad_text(texts: list[torch.Tensor], length: int) -> torch.Tensor:
     return out
 
 
-__all__ = ["CACHE_MANIFEST", "DataError", "DataOrder", "Item", "LatentCache", "RankSamples",
+__all__ = ["Batches", "CACHE_MANIFEST", "DataError", "DataOrder", "Item", "LatentCache", "RankSamples",
            "SyntheticShapes", "VIDEO_SUFFIXES", "VideoFolder", "collate", "list_videos", "loader",
            "open_source", "pad_text", "read_cache_manifest", "sample_seed"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import sys
 import time
@@ -47,6 +48,7 @@ STUDENT_METHODS = ("attnqat", "dropin", "bf16")
 #: the attention a student deploys at inference (validation clips, generate, the app)
 DEPLOYED = {"attnqat": "nvfp4", "dropin": "nvfp4", "bf16": "bf16"}
 EXIT_NONFINITE = 3
+EXIT_CRASH = 1
 
 #: Defaults that depend on the model: the published Attn-QAT recipe for the real Wan 2.1 models,
 #: the project's own for the embedded tiny model.
@@ -619,6 +621,24 @@ def _peak_memory(dev: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def exit_status(exc: BaseException) -> int:
+    """The exit status of a run ended by ``exc``: 2 bad input (found late, e.g. an unreadable
+    clip), 130 a second Ctrl-C, :data:`EXIT_CRASH` anything else."""
+    from attnqat.wan import ModelLoadError
+
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if isinstance(exc, (ValueError, DataError, ModelLoadError, FileNotFoundError)):
+        return 2
+    return EXIT_CRASH
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line for logs: its type and the first line of its message."""
+    msg = str(exc).strip().splitlines()
+    return type(exc).__name__ + (f": {msg[0]}" if msg else "")
+
+
 class _Stop:
     """SIGTERM / SIGINT set a flag; the loop saves a checkpoint at the end of the step. A second
     SIGINT interrupts at once."""
@@ -712,8 +732,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                      world=ctx.world, device=device_name(ctx.device), dropped_records=dropped,
                      checkpoint=str(resume_from) if resume_from else None)
     order = DataOrder(source.size, cfg.seed)
-    batches = loader(source, order, start=samples, batch=cfg.batch_size, rank=ctx.rank,
-                     world=ctx.world, accum=cfg.grad_accum, workers=cfg.workers)
+    batches = None
     validator = None
     lat_shape: tuple[int, ...] | None = None
 
@@ -732,10 +751,12 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     t_start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", file=sys.stderr,
                disable=not (cfg.progress and ctx.is_main), dynamic_ncols=True)
-    last_saved, status, loss = step, 0, float("nan")
+    last_saved, status, loss, error = step, 0, float("nan"), None
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     try:
+        batches = loader(source, order, start=samples, batch=cfg.batch_size, rank=ctx.rank,
+                         world=ctx.world, accum=cfg.grad_accum, workers=cfg.workers)
         while step < cfg.steps:
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=ctx.device)
@@ -810,12 +831,18 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                     say(f"time limit of {cfg.time_limit} min reached after step {step}; checkpoint "
                         f"saved; continue with --resume --out {run_dir}")
                 break
+    except BaseException as exc:
+        status, error = exit_status(exc), one_line(exc)
+        raise
     finally:
+        if batches is not None:   # the workers end with the run, also when it crashed
+            batches.close()
         bar.close()
         stop.restore()
         if runlog is not None:
             runlog.write(step, "event", event="end", status=status, date=now(),
-                         seconds=round(time.perf_counter() - t_start, 1), last_checkpoint=last_saved)
+                         seconds=round(time.perf_counter() - t_start, 1), last_checkpoint=last_saved,
+                         **({"error": error} if status and error else {}))
             runlog.close()
     if status == 0 and step >= cfg.steps:
         say(f"done: {step} steps, final loss {loss:.4f}; checkpoints in {run_dir / ckpt.CHECKPOINTS}; "
@@ -844,7 +871,18 @@ def run(args: argparse.Namespace) -> int:
             return train(cfg, ctx)
         except (ValueError, DataError, ModelLoadError, FileNotFoundError) as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
-            return 2
+            return exit_status(exc)
+        except KeyboardInterrupt as exc:
+            print(f"{prog}: interrupted (second Ctrl-C); the last complete checkpoint is kept",
+                  file=sys.stderr)
+            return exit_status(exc)
+        except BrokenPipeError as exc:
+            # the output was closed (e.g. `| head`): stop, and keep Python's exit from failing on
+            # the same pipe again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            print(f"{prog}: the output was closed; the run stops (the last complete checkpoint "
+                  "is kept)", file=sys.stderr)
+            return exit_status(exc)
     finally:
         distributed.shutdown()
 

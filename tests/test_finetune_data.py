@@ -92,10 +92,11 @@ def test_loader_gives_the_same_batches_with_workers(clips):
     order = D.DataOrder(src.size, seed=0)
     a = D.loader(src, order, start=0, batch=2, rank=0, world=1, workers=0)
     b = D.loader(src, order, start=0, batch=2, rank=0, world=1, workers=2)
-    for _ in range(4):
-        x, y = next(a), next(b)
-        assert x["names"] == y["names"] and torch.equal(x["video"], y["video"])
-        assert x["samples"].tolist() == y["samples"].tolist()
+    with b:
+        for _ in range(4):
+            x, y = next(a), next(b)
+            assert x["names"] == y["names"] and torch.equal(x["video"], y["video"])
+            assert x["samples"].tolist() == y["samples"].tolist()
 
 
 def test_cache_resumes_skips_corrupt_clips_and_holds_what_the_encoder_gives(model, tmp_path, clips, capsys):
