@@ -41,6 +41,9 @@ for d in "$W"/runs/*/; do
   fi
   tail -n 1 "$d/log.jsonl" | python3 -c "import json,sys; r=json.loads(sys.stdin.read()); print('  $k step', r.get('step'), 'loss', r.get('loss'), 'step_s', r.get('step_s'))"
 done
+# the per-layer NVFP4 error probe of the base and every export (first 8 development prompts)
+timeout "${PROBE_TIMEOUT:-240}" attnqat repro "${COMMON[@]}" --runs "$RUNS" --seeds "$SEEDS" --stages probe \
+  --probe-prompts "${PROBE_PROMPTS:-8}" --eval-batch 8 > "$W/probe-arms.log" 2>&1 &
 # evaluation: the base in one process, each fine-tuned run (all its seeds) in another
 epids=()
 attnqat repro "${COMMON[@]}" --runs "$RUNS" --seeds "$SEEDS" --stages eval --configs base-bf16,base-nvfp4 \
