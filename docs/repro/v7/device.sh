@@ -5,6 +5,7 @@
 # probes the base per layer at three clip sizes (PROBE_SIZES=1), and packs every record into
 # $OUT/v7-TAG.tar.gz. Environment: TAG RUNS SEEDS STEPS LR EMA EVAL_OFFSET EVAL_PROMPTS TRAIN_MIN.
 set -u
+# EVAL_S: seconds each evaluation process may take (finished configurations are kept)
 export PYTHONUNBUFFERED=1
 W=/tmp/v7-$TAG
 T0=$(date +%s)
@@ -46,14 +47,14 @@ timeout "${PROBE_TIMEOUT:-240}" attnqat repro "${COMMON[@]}" --runs "$RUNS" --se
   --probe-prompts "${PROBE_PROMPTS:-8}" --eval-batch 8 > "$W/probe-arms.log" 2>&1 &
 # evaluation: the base in one process, each fine-tuned run (all its seeds) in another
 epids=()
-attnqat repro "${COMMON[@]}" --runs "$RUNS" --seeds "$SEEDS" --stages eval --configs base-bf16,base-nvfp4 \
+timeout "${EVAL_S:-240}" attnqat repro "${COMMON[@]}" --runs "$RUNS" --seeds "$SEEDS" --stages eval --configs base-bf16,base-nvfp4 \
   --workers 4 > "$W/eval-base.log" 2>&1 &
 epids+=($!)
 for i in $(seq 240); do   # the base BF16 reference clips: made once, by the first process
   ls "$W"/cache/base-bf16-*.npy > /dev/null 2>&1 && break; sleep 1; done
 for r in ${RUNS//,/ }; do
   case $r in attnqat) c=qat;; bf16) c=control;; *) c=$r;; esac
-  attnqat repro "${COMMON[@]}" --runs "$r" --seeds "$SEEDS" --stages eval --configs "$c-nvfp4,$c-bf16" \
+  timeout "${EVAL_S:-240}" attnqat repro "${COMMON[@]}" --runs "$r" --seeds "$SEEDS" --stages eval --configs "$c-nvfp4,$c-bf16" \
     --workers 4 > "$W/eval-$r.log" 2>&1 &
   epids+=($!)
 done
