@@ -424,6 +424,7 @@ def stage_probe(args, runs: list[str]) -> int:
     from .attn_probe import CAPTURE_STEPS, attention_errors
 
     out = args.work / "probe.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     rec = json.loads(out.read_text()) if out.is_file() else {}
     todo = [w for w in ("base", *(k for _, _, k in units(args, runs))) if w not in rec.get("weights", {})
             and (w == "base" or (args.work / "export" / w / "attnqat.json").is_file())]

@@ -52,12 +52,12 @@ timeout "${EVAL_S:-240}" attnqat repro "${COMMON[@]}" --runs "$RUNS" --seeds "$S
 epids+=($!)
 for i in $(seq 240); do   # the base BF16 reference clips: made once, by the first process
   ls "$W"/cache/base-bf16-*.npy > /dev/null 2>&1 && break; sleep 1; done
-for r in ${RUNS//,/ }; do
+for r in ${RUNS//,/ }; do for s in ${SEEDS//,/ }; do   # one process per run and seed
   case $r in attnqat) c=qat;; bf16) c=control;; *) c=$r;; esac
-  timeout "${EVAL_S:-240}" attnqat repro "${COMMON[@]}" --runs "$r" --seeds "$SEEDS" --stages eval --configs "$c-nvfp4,$c-bf16" \
-    --workers 4 > "$W/eval-$r.log" 2>&1 &
+  timeout "${EVAL_S:-240}" attnqat repro "${COMMON[@]}" --runs "$r" --seeds "$s" --stages eval \
+    --configs "$c-nvfp4,$c-bf16" --workers 2 > "$W/eval-$r-s$s.log" 2>&1 &
   epids+=($!)
-done
+done; done
 wait "${epids[@]}"
 el "evaluation done"
 wait
