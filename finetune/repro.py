@@ -834,7 +834,7 @@ def stage_report(args, runs: list[str], command: str) -> int:
                          f"{st[0]:.4f} / {st[-1]:.4f} |")
     endpoints = protocol_endpoints(ev, verdicts, costs, shares)
     lines += ["", "## The protocol's endpoints", "",
-              "As [docs/repro/protocol.md](" + _rel(Path("docs/repro/protocol.md"), args.doc) + ") names them "
+              f"As {_protocol_link(args.doc)} names them "
               "(on development prompts these are exploratory, whatever they show). Primary: Attn-QAT in NVFP4 "
               "against the base in BF16, 90 % paired interval inside ±3 points. Secondary family, Holm-adjusted: "
               "H2 above naive NVFP4, H3 at least half of the quality score's NVFP4 loss won back, H4 against "
@@ -905,6 +905,17 @@ def stage_report(args, runs: list[str], command: str) -> int:
                             for c, recs in ev.items() for r in recs}}), indent=1) + "\n")
     log(f"wrote {args.doc}")
     return 0
+
+
+def _protocol_link(doc: Path) -> str:
+    """docs/repro/protocol.md as a Markdown link from ``doc`` when both lie in the project, else
+    its path."""
+    from .heldout import PROJECT_ROOT, PROTOCOL
+
+    proto = PROJECT_ROOT / PROTOCOL
+    if Path(doc).resolve().is_relative_to(PROJECT_ROOT):
+        return f"[{PROTOCOL}]({_rel(proto, doc)})"
+    return f"`{PROTOCOL}`"
 
 
 def protocol_endpoints(ev: dict, verdicts: dict, costs: dict, shares: dict) -> dict:
