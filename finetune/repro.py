@@ -672,6 +672,13 @@ def seed_spread(recs_a: list[dict], recs_b: list[dict], field: str = "all_correc
             "sd": float(v.std(ddof=1)) if len(v) > 1 else 0.0}
 
 
+def same_weights(recs_a: list[dict], recs_b: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Two configurations of one weight set (its NVFP4 and BF16 records, say) restricted to the
+    training seeds both have, so that each seed's weights are compared with themselves."""
+    common = {r.get("seed") for r in recs_a} & {r.get("seed") for r in recs_b}
+    return [r for r in recs_a if r.get("seed") in common], [r for r in recs_b if r.get("seed") in common]
+
+
 def _spread(s: dict | None) -> str:
     if s is None:
         return "–"
@@ -771,19 +778,28 @@ def stage_report(args, runs: list[str], command: str) -> int:
     verdicts, spreads = {}, {}
     for a, b in PAIRS:
         if a in ev and b in ev:
-            pr = paired(outcomes(ev[a]), outcomes(ev[b]))
+            ra, rb = ev[a], ev[b]
+            if CONFIGS[a][0] == CONFIGS[b][0]:   # one weight set: each seed against itself
+                ra, rb = same_weights(ra, rb)
+                if not ra:
+                    continue
+            pr = paired(outcomes(ra), outcomes(rb))
             verdicts[(a, b)] = pr
-            spreads[(a, b)] = seed_spread(ev[a], ev[b])
-            lines.append(f"| {_label(a, ev[a])} | {_label(b, ev[b])} | {100 * pr['diff']:+.1f} | "
+            spreads[(a, b)] = seed_spread(ra, rb)
+            lines.append(f"| {_label(a, ra)} | {_label(b, rb)} | {100 * pr['diff']:+.1f} | "
                          f"[{100 * pr['lo']:+.1f}, {100 * pr['hi']:+.1f}] | {pr['only_a']} | "
                          f"{pr['only_b']} | {_p(pr['p'])} | {_spread(spreads[(a, b)])} |")
     costs = {}
     for a, b in COSTS:
         cfgs = [f"{a}-nvfp4", f"{a}-bf16", f"{b}-nvfp4", f"{b}-bf16"]
         if all(c in ev for c in cfgs):
-            costs[(a, b)] = cost_difference(*[outcomes(ev[x]) for x in cfgs])
-            sa, sb = seed_spread(ev[cfgs[0]], ev[cfgs[1]]), seed_spread(ev[cfgs[2]], ev[cfgs[3]])
-            costs[(a, b)]["seed_costs"] = {"a": sa, "b": sb}
+            a4, a16 = same_weights(ev[cfgs[0]], ev[cfgs[1]])
+            b4, b16 = same_weights(ev[cfgs[2]], ev[cfgs[3]])
+            if not (a4 and b4):
+                continue
+            costs[(a, b)] = cost_difference(*[outcomes(x) for x in (a4, a16, b4, b16)])
+            costs[(a, b)]["seed_costs"] = {"a": seed_spread(a4, a16), "b": seed_spread(b4, b16)}
+            costs[(a, b)]["seeds"] = {"a": [r.get("seed") for r in a4], "b": [r.get("seed") for r in b4]}
     if costs:
         lines += ["", "## Robustness to 4-bit attention", "",
                   "A weight set's 4-bit cost: its all-correct rate with NVFP4 attention minus with BF16 "
