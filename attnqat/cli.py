@@ -33,9 +33,9 @@ COMMANDS: list[Command] = [
     Command("app", "attnqat.app.cli",
             "launch the Gradio comparison app (embedded tiny model by default; no GPU, no network)"),
     Command("repro", "attnqat.finetune.repro",
-            "reproduce the Attn-QAT paper's claims on the embedded tiny model: fine-tune with "
-            "Attn-QAT, BF16, drop-in FP4 and the two ablations, evaluate on held-out prompts, "
-            "write docs/repro.md (GPU)"),
+            "the Attn-QAT study on the embedded tiny model: fine-tune with Attn-QAT, BF16, drop-in "
+            "FP4 and the two ablations (per training seed), evaluate on held-out development prompts, "
+            "write a report (GPU; docs/repro.md)"),
 ]
 
 GROUPS: dict[str, tuple[str, list[Command]]] = {

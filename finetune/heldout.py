@@ -15,12 +15,76 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
 SUMMARY_KEYS = ("colour", "shape", "motion", "background", "count", "all_correct", "prompt_score",
                 "quality", "aggregate", "clips", "objects")
+
+#: the held-out prompts' roles (docs/repro.md, "Evaluation discipline"): every choice is made on
+#: the development prompts; the confirmatory ones are evaluated once, after the protocol is
+#: committed; from ``OUTSIDE_FIRST`` on they are kept for checks from outside and never evaluated
+DEVELOPMENT = range(0, 900)
+CONFIRMATORY = range(900, 1400)
+OUTSIDE_FIRST = 1400
+#: the pre-registration a confirmatory evaluation needs, relative to the project root
+PROTOCOL = "docs/repro/protocol.md"
+#: the project's root (its git checkout when installed editable)
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+class PromptRangeError(ValueError):
+    """A held-out prompt range the evaluation discipline forbids (the message says why, in one line)."""
+
+
+def protocol_committed(root: Path | None = None) -> tuple[bool, str]:
+    """Whether ``PROTOCOL`` exists in ``root`` (default :data:`PROJECT_ROOT`) and is committed
+    there, unmodified: ``(True, commit)`` or ``(False, the reason)``. Needs git and a checkout."""
+    import shutil
+    import subprocess
+
+    root = PROJECT_ROOT if root is None else Path(root)
+    if not (root / PROTOCOL).is_file():
+        return False, f"{PROTOCOL} does not exist in {root}"
+    if shutil.which("git") is None:
+        return False, f"git is not available to check that {PROTOCOL} is committed"
+
+    def git(*a: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)
+
+    log = git("log", "-1", "--format=%H", "--", PROTOCOL)
+    if log.returncode != 0:
+        return False, f"{root} is not a git checkout, so it cannot be shown that {PROTOCOL} is committed"
+    if not log.stdout.strip():
+        return False, f"{PROTOCOL} is not committed"
+    status = git("status", "--porcelain", "--", PROTOCOL)
+    if status.returncode != 0 or status.stdout.strip():
+        return False, f"{PROTOCOL} has uncommitted changes"
+    return True, log.stdout.strip()
+
+
+def check_prompt_range(first: int, n: int, root: Path | None = None) -> str:
+    """The role of held-out prompts ``first … first + n − 1``: ``"development"`` or
+    ``"confirmatory"`` (the latter only when :func:`protocol_committed`). Raises
+    :class:`PromptRangeError` for a range reaching :data:`OUTSIDE_FIRST` or beyond, and for a
+    confirmatory range without a committed protocol."""
+    last = first + n - 1
+    if first < 0 or n < 1:
+        raise PromptRangeError(f"held-out prompts {first}..{last}: need first >= 0 and at least one prompt")
+    if last >= OUTSIDE_FIRST:
+        raise PromptRangeError(f"held-out prompts {first}-{last} reach {OUTSIDE_FIRST} or beyond: prompts "
+                               f">= {OUTSIDE_FIRST} are kept for outside checks and never evaluated "
+                               "(docs/repro.md)")
+    if last >= CONFIRMATORY.start:
+        ok, why = protocol_committed(root)
+        if not ok:
+            raise PromptRangeError(f"held-out prompts {first}-{last} touch the confirmatory set "
+                                   f"{CONFIRMATORY.start}-{CONFIRMATORY.stop - 1}, which is evaluated only "
+                                   f"after a committed protocol: {why}")
+        return "confirmatory"
+    return "development"
 
 
 @dataclass
@@ -39,10 +103,12 @@ class HeldoutInputs:
 def inputs(models, first: int, n: int, *, steps: int | None = None, guidance: float | None = None,
            size: int | None = None, frames: int | None = None, backend: str = "torch") -> HeldoutInputs:
     """Settings (the model's defaults unless given), prompt embeddings and noise of held-out prompts
-    ``first … first + n − 1`` (seed ``i`` for prompt ``i``)."""
+    ``first … first + n − 1`` (seed ``i`` for prompt ``i``). Raises :class:`PromptRangeError` for a
+    range the evaluation discipline forbids (:func:`check_prompt_range`)."""
     from attnqat.generate import encode_prompts, initial_latents, resolve_settings
     from attnqat.synthetic import heldout_specs
 
+    check_prompt_range(first, n)
     specs = heldout_specs(first + n)[first:]
     prompts = [s.caption for s in specs]
     settings = [resolve_settings(p, methods="bf16", seed=first + i, steps=steps, guidance=guidance,
@@ -127,11 +193,18 @@ def summary_row(scores: list[dict]) -> dict:
     return {k: s[k] for k in SUMMARY_KEYS}
 
 
-def similarity(clips: list[np.ndarray], reference: list[np.ndarray], workers: int = 0) -> dict:
-    """Mean and median PSNR, mean SSIM of ``clips`` against ``reference`` (same prompts and seeds),
-    in ``workers`` processes (0: here); clips identical to their reference are counted, not
-    averaged (their PSNR is infinite)."""
-    pairs = _pool_map(_compare, list(zip(clips, reference)), workers)
+def pairwise_similarity(clips: list[np.ndarray], reference: list[np.ndarray],
+                        workers: int = 0) -> list[tuple[float, float]]:
+    """(PSNR, SSIM) of every clip against its reference (same prompts and seeds), in ``workers``
+    processes (0: here); identical clips have an infinite PSNR."""
+    if len(clips) != len(reference):
+        raise ValueError(f"{len(clips)} clips against {len(reference)} references")
+    return _pool_map(_compare, list(zip(clips, reference)), workers)
+
+
+def summarize_similarity(pairs: list[tuple[float, float]]) -> dict:
+    """Mean and median PSNR, mean SSIM of per-clip (PSNR, SSIM) pairs; clips identical to their
+    reference are counted, not averaged (their PSNR is infinite)."""
     finite = [p for p, _ in pairs if math.isfinite(p)]
     return {"psnr": float(np.mean(finite)) if finite else None,
             "psnr_median": float(np.median(finite)) if finite else None,
@@ -139,5 +212,18 @@ def similarity(clips: list[np.ndarray], reference: list[np.ndarray], workers: in
             "ssim": float(np.mean([s for _, s in pairs]))}
 
 
-__all__ = ["HeldoutInputs", "SUMMARY_KEYS", "generate_clips", "inputs", "score_all", "similarity",
+def similarity(clips: list[np.ndarray], reference: list[np.ndarray], workers: int = 0) -> dict:
+    """Mean and median PSNR, mean SSIM of ``clips`` against ``reference`` (same prompts and seeds),
+    in ``workers`` processes (0: here); clips identical to their reference are counted, not
+    averaged (their PSNR is infinite)."""
+    pairs = pairwise_similarity(clips, reference, workers)
+    finite = [p for p, _ in pairs if math.isfinite(p)]
+    return {"psnr": float(np.mean(finite)) if finite else None,
+            "psnr_median": float(np.median(finite)) if finite else None,
+            "identical": len(pairs) - len(finite),
+            "ssim": float(np.mean([s for _, s in pairs]))}
+
+
+__all__ = ["CONFIRMATORY", "DEVELOPMENT", "HeldoutInputs", "OUTSIDE_FIRST", "PROTOCOL", "PromptRangeError",
+           "SUMMARY_KEYS", "check_prompt_range", "pairwise_similarity", "protocol_committed", "summarize_similarity", "generate_clips", "inputs", "score_all", "similarity",
            "summary_row"]

@@ -11,6 +11,16 @@ mapped through the flow shift ``s`` as Wan's flow-matching scheduler spaces its 
 ``σ ← s σ / (1 + (s − 1) σ)`` (``s = 1`` leaves it unchanged; larger ``s`` spends more training on
 noisy inputs).
 
+Two objectives (``attnqat finetune train --objective``):
+
+``flow``
+    the target above, ``ε − x0``: Wan's own objective, the one the Attn-QAT paper fine-tunes with.
+``distill``
+    quantization-aware distillation: the target is the velocity a frozen copy of the starting
+    transformer (the teacher) predicts for the same ``x_t``, timestep and text with **BF16
+    attention** (:func:`distill_target`); the student, with its 4-bit attention, learns to match
+    its own unquantized self. As FastVideo's FastWan-QAD does; the loss is the same squared error.
+
 Used by :mod:`attnqat.finetune.train` (with one random generator per sample, so that a sample's
 noise does not depend on how the batch is split over GPUs) and by
 :mod:`attnqat.finetune.tiny_train` (one generator per batch).
@@ -21,6 +31,7 @@ from __future__ import annotations
 import torch
 
 SIGMA_SAMPLINGS = ("uniform", "logit_normal")
+OBJECTIVES = ("flow", "distill")
 
 
 def shift_sigma(sigma: torch.Tensor, shift: float) -> torch.Tensor:
@@ -77,5 +88,29 @@ def predict(transformer, x_t: torch.Tensor, timestep: torch.Tensor,
                        return_dict=False)[0]
 
 
-__all__ = ["SIGMA_SAMPLINGS", "flow_matching_loss", "noisy_input", "predict", "sample_sigma",
+def make_teacher(transformer, backend: str = "auto", dtype: torch.dtype | None = None):
+    """A frozen copy of ``transformer`` (before it is trained or sharded) with BF16 attention in
+    every attention module: the ``distill`` objective's teacher. ``dtype``: cast its weights
+    (e.g. bfloat16 under mixed precision, to halve its memory); None keeps them."""
+    import copy
+
+    from attnqat.wan import install_attention
+
+    teacher = copy.deepcopy(transformer)
+    if dtype is not None:
+        teacher = teacher.to(dtype)
+    teacher.requires_grad_(False)
+    teacher.eval()
+    install_attention(teacher, "bf16", backend=backend, timing=False)
+    return teacher
+
+
+@torch.no_grad()
+def distill_target(teacher, x_t: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """The ``distill`` objective's target: the frozen teacher's velocity for the student's input
+    (float32, no gradient)."""
+    return predict(teacher, x_t, timestep, text).float()
+
+
+__all__ = ["OBJECTIVES", "SIGMA_SAMPLINGS", "distill_target", "make_teacher", "flow_matching_loss", "noisy_input", "predict", "sample_sigma",
            "shift_sigma"]

@@ -39,7 +39,8 @@ import torch
 from . import checkpoint as ckpt
 from .data import DataError, DataOrder, LatentCache, loader, open_source, pad_text, sample_seed
 from .distributed import PRECISIONS, DistContext, all_max, all_sum, local
-from .objective import SIGMA_SAMPLINGS, flow_matching_loss, noisy_input, predict, sample_sigma
+from .objective import (OBJECTIVES, SIGMA_SAMPLINGS, distill_target, flow_matching_loss, make_teacher,
+                        noisy_input, predict, sample_sigma)
 from .runlog import RunLog, console_line, device_name, now
 from .schedule import EMA, SCHEDULES, lr_factor
 
@@ -91,6 +92,7 @@ class TrainConfig:
     scope: str = "self"
     backend: str = "auto"
     ablation: str | None = None
+    objective: str = "flow"
     steps: int | None = None
     batch_size: int | None = None
     grad_accum: int = 1
@@ -135,7 +137,7 @@ class TrainConfig:
 
 #: settings a resumed run may not change (the run would no longer be one run)
 IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "attention",
-            "scope", "ablation", "seed", "sigma_sampling", "shift", "caption_dropout")
+            "scope", "ablation", "objective", "seed", "sigma_sampling", "shift", "caption_dropout")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,6 +194,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="attnqat only: principle 2 off (D from the 4-bit O) or principle 1 off (P "
                         "not re-quantized before dV); PyTorch reference backend")
     g = parser.add_argument_group("objective")
+    g.add_argument("--objective", choices=OBJECTIVES,
+                   help="flow: rectified-flow matching (target noise - clean latent); distill: the "
+                        "frozen starting transformer's velocity with BF16 attention as the target "
+                        "(quantization-aware distillation) [flow]")
     g.add_argument("--sigma-sampling", choices=SIGMA_SAMPLINGS, help="noise-level draw [recipe]")
     g.add_argument("--shift", type=float, help="flow shift of the noise levels [recipe]")
     g.add_argument("--logit-mean", type=float, help="logit-normal mean [0]")
@@ -335,7 +341,8 @@ def _validate(cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"--ema must be in (0, 1) or 0 (off), got {cfg.ema}")
     choices = {"attention": STUDENT_METHODS, "scope": ("self", "all"),
                "backend": ("auto", "torch", "triton"), "schedule": SCHEDULES,
-               "sigma_sampling": SIGMA_SAMPLINGS, "precision": ("auto",) + PRECISIONS}
+               "sigma_sampling": SIGMA_SAMPLINGS, "precision": ("auto",) + PRECISIONS,
+               "objective": OBJECTIVES}
     for k, allowed in choices.items():
         if getattr(cfg, k) not in allowed:
             raise ValueError(f"unknown --{k.replace('_', '-')} {getattr(cfg, k)!r}; expected one of "
@@ -434,6 +441,9 @@ class Trainer:
             "bf16" if ctx.device.type == "cuda" else "fp32")
         if any(p.dtype != torch.float32 for p in transformer.parameters()):
             raise ValueError("the transformer to train must hold float32 (master) weights")
+        # the distill objective's teacher: the starting weights, frozen, BF16 attention, unsharded
+        self.teacher = None if cfg.objective != "distill" else make_teacher(
+            transformer, cfg.backend, torch.bfloat16 if self.precision == "bf16" else None).to(ctx.device)
         self.model = transformer.to(ctx.device)
         self.proc = install_attention(self.model, cfg.attention, fp4_scope=cfg.scope,
                                       backend=cfg.backend, timing=False, ablation=cfg.ablation)
@@ -490,6 +500,8 @@ class Trainer:
             last = self._micro % self.cfg.grad_accum == 0
             self.model.set_requires_gradient_sync(last)
         with self.autocast():
+            if self.teacher is not None:
+                target = distill_target(self.teacher, x_t, timestep, text)
             pred = predict(self.model, x_t, timestep, text)
         loss = flow_matching_loss(pred, target)
         (loss / self.cfg.grad_accum).backward()

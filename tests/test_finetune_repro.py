@@ -147,3 +147,166 @@ def test_clip_size_reaches_training_and_evaluation_and_is_not_mixed(tmp_path):
     assert R.main([*args, "--stages", "eval", "--configs", "base-nvfp4"]) == 2
     assert R.main([*args, "--size", "32", "--stages", "eval", "--configs", "base-nvfp4"]) == 2
     assert not (work / "eval" / "base-nvfp4.json").exists()
+
+
+def _git(root, *a):
+    import subprocess
+
+    subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True)
+
+
+def test_prompt_ranges_follow_the_evaluation_discipline(tmp_path, monkeypatch, capsys):
+    """Prompts >= 1400 are never evaluated; 900-1399 only once docs/repro/protocol.md is committed
+    (and unmodified); 0-899 always. Refused before any work, in one line."""
+    from attnqat.finetune import heldout as H
+
+    root = tmp_path / "repo"
+    (root / "docs" / "repro").mkdir(parents=True)
+    monkeypatch.setattr(H, "PROJECT_ROOT", root)
+    assert H.check_prompt_range(0, 900) == "development" and H.check_prompt_range(100, 800) == "development"
+    for first, n in ((1400, 1), (1300, 101), (0, 1401), (1399, 2)):
+        with pytest.raises(H.PromptRangeError, match="never evaluated"):
+            H.check_prompt_range(first, n)
+    # no protocol, then no git checkout, then uncommitted, then committed, then modified
+    with pytest.raises(H.PromptRangeError, match="does not exist"):
+        H.check_prompt_range(900, 500)
+    (root / H.PROTOCOL).write_text("# protocol\n")
+    with pytest.raises(H.PromptRangeError, match="not a git checkout"):
+        H.check_prompt_range(899, 2)
+    _git(root, "init", "-q")
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", "start")
+    with pytest.raises(H.PromptRangeError, match="not committed"):
+        H.check_prompt_range(900, 500)
+    _git(root, "add", H.PROTOCOL)
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "protocol")
+    assert H.check_prompt_range(900, 500) == "confirmatory"
+    with pytest.raises(H.PromptRangeError, match="never evaluated"):
+        H.check_prompt_range(900, 501)
+    (root / H.PROTOCOL).write_text("# protocol, changed after the fact\n")
+    with pytest.raises(H.PromptRangeError, match="uncommitted changes"):
+        H.check_prompt_range(950, 10)
+    # the command refuses before touching the work folder, with one line naming the rule
+    monkeypatch.setattr(H, "PROJECT_ROOT", tmp_path / "nowhere")
+    work = tmp_path / "work"
+    base = ["--work", str(work), "--model", "unused", "--runs", "attnqat", "--device", "cpu"]
+    capsys.readouterr()
+    assert R.main([*base, "--stages", "eval", "--eval-offset", "1400", "--eval-prompts", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "1400" in err and "never evaluated" in err
+    assert R.main([*base, "--stages", "probe", "--eval-offset", "890", "--probe-prompts", "16"]) == 2
+    assert "confirmatory" in capsys.readouterr().err
+    assert R.main([*base, "--stages", "eval", "--eval-offset", "100", "--eval-prompts", "1300"]) == 2
+    assert not work.exists()
+    # the generation path itself refuses too (attnqat finetune tiny's eval goes through it)
+    with pytest.raises(H.PromptRangeError):
+        H.inputs(None, 1400, 1)
+
+
+def test_sign_flip_is_mcnemar_on_binary_outcomes_and_holm_adjusts():
+    from scipy.stats import binomtest
+
+    a = [1] * 20 + [0] * 7 + [1] * 3 + [0] * 10
+    b = [1] * 20 + [1] * 7 + [0] * 3 + [0] * 10
+    d = [x - y for x, y in zip(a, b)]
+    assert R.sign_flip_p(d) == pytest.approx(binomtest(3, 10, 0.5).pvalue)
+    # seed means: a clear shift is significant, no shift is not
+    rng = __import__("numpy").random.default_rng(1)
+    assert R.sign_flip_p(rng.choice([0, 1 / 3, 2 / 3], 200) + 0.0) < 0.001
+    assert R.sign_flip_p(rng.choice([-1 / 3, 1 / 3], 200)) > 0.01
+    pr = R.paired([1 / 3, 2 / 3, 1.0, 0.0], [0, 1, 1, 0], level=0.90)
+    assert pr["test"] == "sign-flip" and pr["level"] == 0.90 and pr["only_a"] == 1 and pr["only_b"] == 1
+    adj = R.holm({"a": 0.01, "b": 0.04, "c": 0.03})
+    assert adj == pytest.approx({"a": 0.03, "c": 0.06, "b": 0.06})
+    w = R.won_back([0.8] * 50, [0.7] * 50, [0.9] * 50)
+    assert w["share"] == pytest.approx(0.5) and w["loss"] == pytest.approx(0.2)
+
+
+def test_seeds_records_and_report(tmp_path):
+    """--seeds: every run trained and evaluated per seed; each record keeps every scorer output,
+    PSNR/SSIM against the base's and the own weights' BF16 clips and the weights' sha256; the
+    report shows the spread across seeds and the protocol's endpoints."""
+    import hashlib
+
+    model = small_model(tmp_path / "small-wan")
+    work = tmp_path / "work"
+    args = ["--work", str(work), "--model", str(model), "--runs", "attnqat,bf16,qad", "--seeds", "0,1",
+            "--steps", "1", "--batch-size", "1", "--warmup", "0", "--eval-prompts", "3",
+            "--eval-offset", "5", "--eval-batch", "3", "--workers", "0", "--device", "cpu",
+            "--doc", str(tmp_path / "r.md")]
+    assert R.main([*args[:-2], "--seeds", "0,0"]) == 2
+    assert R.main([*args, "--stages", "train,eval,report"]) == 0
+    assert sorted(p.name for p in (work / "export").iterdir()) == [
+        "attnqat-s0", "attnqat-s1", "bf16-s0", "bf16-s1", "qad-s0", "qad-s1"]
+    cfg = json.loads((work / "runs" / "qad-s1" / "config.json").read_text())
+    assert cfg["objective"] == "distill" and cfg["seed"] == 1 and cfg["attention"] == "attnqat"
+    assert json.loads((work / "runs" / "attnqat-s1" / "config.json").read_text())["objective"] == "flow"
+    names = sorted(p.stem for p in (work / "eval").iterdir())
+    assert "qat-nvfp4-s0" in names and "qat-nvfp4-s1" in names and "base-nvfp4" in names
+    assert "qad-bf16-s1" in names and "base-nvfp4-s0" not in names
+    rec = json.loads((work / "eval" / "qat-nvfp4-s1.json").read_text())
+    assert rec["seed"] == 1 and rec["weights"] == "attnqat-s1" and rec["prompt_set"] == "development"
+    sha = hashlib.sha256((work / "export" / "attnqat-s1" / "diffusion_pytorch_model.safetensors")
+                         .read_bytes()).hexdigest()
+    assert rec["weights_sha256"] == {"diffusion_pytorch_model.safetensors": sha}
+    base = json.loads((work / "eval" / "base-bf16.json").read_text())
+    assert set(base["weights_sha256"]) and base["similarity_to_base_bf16"] is None
+    for clip in rec["clips"]:   # every scorer output, and both references
+        for k in ("objects", "count", "n_detected", "quality", "prompt_score", "temporal", "cleanliness",
+                  "detected_background", "all_correct"):
+            assert k in clip, k
+        assert all("stated" in o and "detected" in o and "colour" in o for o in clip["objects"])
+        assert clip["ssim_vs_base_bf16"] <= 1 and clip["ssim_vs_own_bf16"] <= 1
+    own = json.loads((work / "eval" / "qat-bf16-s1.json").read_text())
+    assert own["similarity_to_own_bf16"] is None and own["clips"][0]["ssim_vs_own_bf16"] is None
+    assert rec["similarity_to_own_bf16"]["ssim"] <= 1
+    text = (tmp_path / "r.md").read_text()
+    assert "across seeds" in text and "(2 seeds)" in text and "## The protocol's endpoints" in text
+    assert "## Quality score: NVFP4 loss won back" in text and "Attn-QAT (distill)" in text
+    assert "--objective distill" in text and "(seed 1)" in text
+    rep = json.loads((work / "report.json").read_text())
+    spread = rep["seed_spreads"]["qat-nvfp4 vs base-bf16"]
+    assert sorted(spread["by_seed"]) == ["0", "1"] and spread["min"] <= spread["max"]
+    assert "primary" in rep["endpoints"]["qat"] and rep["endpoints"]["qat"]["primary"]["level"] == 0.90
+    assert "H2 vs naive NVFP4" in rep["endpoints"]["qat"]["secondary"]
+    assert all("p_holm" in v for v in rep["endpoints"]["qat"]["secondary"].values())
+    # the pooled per-prompt outcome is the mean over the seeds
+    s0 = [c["all_correct"] for c in json.loads((work / "eval" / "qat-nvfp4-s0.json").read_text())["clips"]]
+    s1 = [c["all_correct"] for c in rec["clips"]]
+    recs = R.load_evals(work)["qat-nvfp4"]
+    assert list(R.outcomes(recs)) == pytest.approx([(a + b) / 2 for a, b in zip(s0, s1)])
+
+
+def test_readme_repro_table_matches_the_report_json():
+    """Every number of the README's repro table (the one after a ``<!-- repro-table: JSON -->``
+    marker) is the report JSON's, rounded as the report rounds it."""
+    import re
+    from pathlib import Path
+
+    from attnqat.eval.stats import wilson_interval
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    marks = list(re.finditer(r"<!-- repro-table: (\S+) -->\n((?:\|.*\|\n)+)", text))
+    assert marks, "the README's repro table lost its <!-- repro-table: JSON --> marker"
+    labels = {lab: c for c, (_, _, lab) in R.CONFIGS.items()}
+    checked = 0
+    for m in marks:
+        rep = json.loads((root / m.group(1)).read_text())
+        rows = [r.strip("|").split("|") for r in m.group(2).strip().splitlines()[2:]]
+        for cells in rows:
+            cells = [c.strip().replace("−", "-") for c in cells]
+            label = re.sub(r"\s*\(shipped\)$", "", cells[0].replace("**", ""))
+            assert label in labels, f"README row {label!r} names no configuration"
+            c = labels[label]
+            s = rep["summaries"][c]
+            k, n = round(s["all_correct"] * s["clips"]), s["clips"]
+            lo, hi = wilson_interval(k, n)
+            assert cells[1].replace("**", "") == f"{100 * k / n:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]", c
+            if c == "base-bf16":
+                assert cells[2] == ""
+                continue
+            pr = rep["pairs"][f"{c} vs base-bf16"]
+            want = f"{100 * pr['diff']:+.1f} [{100 * pr['lo']:+.1f}, {100 * pr['hi']:+.1f}], p {R._p(pr['p'], '= ')}"
+            assert cells[2].replace("-0.0", "+0.0") == want.replace("-0.0", "+0.0"), c
+            checked += 1
+    assert checked >= 3
