@@ -10,7 +10,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from .generate import GENERATION_METHODS, MAX_SEED
+from . import methods as registry
+from .generate import MAX_SEED
 from .wan import DTYPE_CHOICES
 
 
@@ -24,10 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--negative-prompt", default=None,
                         help="negative prompt for classifier-free guidance (None: the model's default "
                              "— none for the tiny model, Wan's own negative prompt for Wan 2.1)")
-    parser.add_argument("--methods", default=",".join(GENERATION_METHODS),
-                        help="comma-separated methods: bf16 (reference), nvfp4 (4-bit attention on "
-                             "the base model), sage3 (SageAttention3's recipe), attnqat (the Attn-QAT "
-                             "transformer with NVFP4 attention)")
+    offered = [registry.get(m) for m in registry.generation()]
+    parser.add_argument("--methods", default=",".join(m.name for m in offered),
+                        help="comma-separated methods: " + ", ".join(
+                            f"{m.name} ({m.label}: {m.description})" for m in offered))
     parser.add_argument("--seed", type=int, default=-1,
                         help=f"seed of the initial noise, shared by all methods: 0 to {MAX_SEED}, or -1 "
                              "for a random one (printed and recorded), as in the app")

@@ -28,9 +28,13 @@ from typing import Any
 
 import torch
 
+from attnqat import methods as registry
+from attnqat.family import WAN21_T2V
+
 from .runlog import now
 
-METHODS = ("bf16", "attnqat", "dropin")
+#: the trainable methods of the registry (the trainer's students)
+METHODS = registry.trainable()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,8 +153,11 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         return fail(f"--methods must be some of {', '.join(METHODS)}, got {args.methods!r}")
-    if args.frames < 1 or (args.frames - 1) % 4 or args.steps < 1 or args.warmup < 0:
-        return fail("--frames must be 4k+1, --steps >= 1 and --warmup >= 0")
+    why = WAN21_T2V.frames_error(args.frames)
+    if why:
+        return fail(f"--frames: {why}")
+    if args.steps < 1 or args.warmup < 0:
+        return fail("--steps must be >= 1 and --warmup >= 0")
     try:
         _, h, w = parse_resolution(args.resolution)
     except ValueError as exc:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from attnqat.family import WAN21_T2V, ModelFamily
+
 from .data import CACHE_MANIFEST, DataError, list_videos
 from .runlog import now
 
@@ -72,13 +74,13 @@ def _save_shard(folder: Path, file: str, tensors: dict[str, torch.Tensor]) -> No
     os.replace(tmp, folder / file)
 
 
-def check_size(height: int, width: int, frames: int, stride: int = 1) -> None:
-    """Refuse sizes the VAE (×8 spatially, ×4 in time) and the 2×2 patches cannot take."""
-    if height <= 0 or width <= 0 or height % 16 or width % 16:
-        raise DataError(f"height and width must be positive multiples of 16 (the VAE downsamples "
-                        f"by 8 and the transformer patches 2 × 2), got {height} × {width}")
-    if frames < 1 or (frames - 1) % 4:
-        raise DataError(f"frames must be 4k+1 (the VAE compresses time by 4), got {frames}")
+def check_size(height: int, width: int, frames: int, stride: int = 1, family: ModelFamily = WAN21_T2V) -> None:
+    """Refuse sizes the model family's VAE and patches cannot take (Wan 2.1: multiples of 16,
+    4k+1 frames): :meth:`attnqat.family.ModelFamily.check_clip`'s one line."""
+    try:
+        family.check_clip(height, width, frames)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
     if stride < 1:
         raise DataError(f"stride must be >= 1, got {stride}")
 
@@ -106,7 +108,7 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
     d = info.defaults
     height, width = height or d["height"], width or d["width"]
     frames = frames or d["frames"]
-    check_size(height, width, frames, stride)
+    check_size(height, width, frames, stride, info.family)
     if shard_size < 1:
         raise DataError(f"--shard-size must be >= 1, got {shard_size}")
     clips = list_videos(data)

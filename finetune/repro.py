@@ -47,6 +47,9 @@ from pathlib import Path
 
 import numpy as np
 
+from attnqat import methods as registry
+from attnqat.family import for_folder as family_for
+
 from .runlog import device_name, now
 
 STAGES = ("train", "eval", "probe", "report", "ship")
@@ -58,11 +61,11 @@ RUNS: dict[str, tuple[str, str | None, str]] = {
     "p2off": ("attnqat", "d_from_o", "Attn-QAT, principle 2 off (D from O)"),
     "p1off": ("attnqat", "p_unquantized", "Attn-QAT, principle 1 off (P not re-quantized)"),
 }
-#: configuration → (weights: "base" or a run, attention at inference, label)
+#: configuration → (weights: "base" or a run, attention at inference, label). The base model runs
+#: every inference method of the registry (:func:`attnqat.methods.inference`); the fine-tuned runs
+#: deploy the attention their student method deploys as.
 CONFIGS: dict[str, tuple[str, str, str]] = {
-    "base-bf16": ("base", "bf16", "base, BF16 attention"),
-    "base-nvfp4": ("base", "nvfp4", "base, NVFP4 attention"),
-    "base-sage3": ("base", "sage3", "base, SageAttention3"),
+    **{f"base-{m}": ("base", m, f"base, {registry.label(m)} attention") for m in registry.inference()},
     "qat-nvfp4": ("attnqat", "nvfp4", "Attn-QAT, NVFP4 attention"),
     "qat-bf16": ("attnqat", "bf16", "Attn-QAT, BF16 attention"),
     "control-bf16": ("bf16", "bf16", "BF16 control, BF16 attention"),
@@ -72,17 +75,16 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
     "p1off-nvfp4": ("p1off", "nvfp4", "principle 1 off, NVFP4 attention"),
 }
 #: paired comparisons of the report (A, B): A's all-correct rate minus B's
+#: (the base model with each other 4-bit inference method of the registry is compared, as sage3 is, with
+#: base-bf16 and with qat-nvfp4)
+_OTHER_BASE = [f"base-{m}" for m in registry.inference() if registry.get(m).four_bit and m != "nvfp4"]
 PAIRS = (("qat-nvfp4", "base-bf16"), ("qat-nvfp4", "base-nvfp4"), ("qat-nvfp4", "control-nvfp4"),
          ("qat-nvfp4", "control-bf16"),
-         ("base-nvfp4", "base-bf16"), ("control-nvfp4", "base-bf16"), ("base-sage3", "base-bf16"),
-         ("qat-nvfp4", "base-sage3"), ("qat-nvfp4", "qat-bf16"), ("qat-bf16", "base-bf16"),
+         ("base-nvfp4", "base-bf16"), ("control-nvfp4", "base-bf16"),
+         *((c, p) for b in _OTHER_BASE for c, p in ((b, "base-bf16"), ("qat-nvfp4", b))),
+         ("qat-nvfp4", "qat-bf16"), ("qat-bf16", "base-bf16"),
          ("control-bf16", "base-bf16"), ("control-nvfp4", "control-bf16"),
          ("dropin-nvfp4", "base-bf16"), ("p2off-nvfp4", "base-bf16"), ("p1off-nvfp4", "base-bf16"))
-#: the 4-bit cost of a weight set is its NVFP4 configuration minus its BF16 one; Attn-QAT's is
-#: compared with the control's and the base's (claim 2 is that QAT makes the weights robust to it)
-COSTS = (("qat", "control"), ("qat", "base"))
-WEIGHTS = {"qat": "Attn-QAT", "control": "BF16 control", "base": "base"}
-ATTRS = ("colour", "shape", "motion")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -692,10 +694,11 @@ def run(args: argparse.Namespace) -> int:
               "--eval-offset >= 0",
               file=sys.stderr)
         return 2
-    if (args.size is not None and (args.size < 16 or args.size % 16)) or \
-            (args.frames is not None and (args.frames < 1 or (args.frames - 1) % 4)):
-        print(f"attnqat repro: --size must be a positive multiple of 16 and --frames 4k+1, got "
-              f"{args.size} and {args.frames}", file=sys.stderr)
+    try:
+        family_for(args.model).check_clip(args.size, args.size, args.frames,
+                                          names={"height": "--size", "width": "--size", "frames": "--frames"})
+    except ValueError as exc:
+        print(f"attnqat repro: {exc}", file=sys.stderr)
         return 2
     command = command_line(args)
     for stage in stages:
