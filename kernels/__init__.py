@@ -25,7 +25,8 @@ from __future__ import annotations
 import importlib
 
 _API = ("triton_unsupported", "triton_attention", "quantize_nvfp4", "fake_quantize_nvfp4", "METHODS",
-        "TRAINABLE", "HEAD_DIMS", "DTYPES", "interpreting", "nvfp4_forward", "FP4TrainingAttention")
+        "TRAINABLE", "HEAD_DIMS", "DTYPES", "interpreting", "nvfp4_forward",
+        "fp4_training_attention")
 
 __all__ = list(_API)
 

@@ -14,6 +14,7 @@ Supported: CUDA tensors (or the Triton interpreter, ``TRITON_INTERPRET=1``, thro
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -117,47 +118,83 @@ def nvfp4_forward(q, k, v, sm_scale: float, formulation: int | None = None, conf
     return o
 
 
-class FP4TrainingAttention(torch.autograd.Function):
-    """``attnqat`` / ``dropin`` on the fused kernels, (B, S, H, D) in and out.
+# ``attnqat`` / ``dropin`` on the fused kernels as an operator registered with PyTorch: a fake
+# implementation (shapes, dtypes and standard strides) and a registered backward, so torch.compile
+# meets one op. ``config`` travels as JSON text (an op's schema takes no dicts).
+_TrainOut = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
-    Saved for the backward — attnqat: Qᶠ, Kᶠ, Vᶠ (dequantized, exact in the input dtype), O' (float32),
-    and the row log-sum-exp and maximum; dropin: Q, K, V, the FP4 O (float32) and the log-sum-exp.
-    """
 
-    @staticmethod
-    def forward(ctx, q, k, v, scale: float, method: str, config=None, schedule=None):
-        attnqat = method == "attnqat"
-        qf = fake_quantize_nvfp4(q, -1)
-        kf = fake_quantize_nvfp4(k, -1)
-        vf = fake_quantize_nvfp4(v, 1)
-        fwd_config = (config or {}).get("fwd")
-        if attnqat and gluon_fwd_qat.choose_qat_schedule(qf, kf, vf, schedule, fwd_config) == "gluon":
-            o, o2, lse2, m2 = gluon_fwd_qat.gluon_attnqat_forward(qf, kf, vf, sm_scale=scale)
-        else:
-            # dropin's D = rowsum(dO ∘ O) takes O in float32, as attnqat's takes O' (float32)
-            o, o2, lse2, m2 = attention_forward(qf, kf, vf, sm_scale=scale, p_mode=P_NVFP4, need_o2=attnqat,
-                                                store_stats=True, out_dtype=None if attnqat else torch.float32,
-                                                config=fwd_config)
-        if attnqat:
-            ctx.save_for_backward(qf, kf, vf, o2, lse2, m2)
-        else:
-            del qf, kf, vf
-            ctx.save_for_backward(q, k, v, o, lse2)
-            o = o.to(q.dtype)
-        ctx.scale, ctx.method, ctx.config, ctx.schedule = scale, method, (config or {}).get("bwd"), schedule
-        return o
+@torch.library.custom_op("attnqat::triton_fp4_train_forward", mutates_args=())
+def _train_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, method: str,
+                   config: str | None, schedule: str | None) -> _TrainOut:
+    """O (B, Sq, H, D) and what the backward needs — attnqat: Qᶠ, Kᶠ, Vᶠ (dequantized, exact in the
+    input dtype), O' (float32), the row log-sum-exp and maximum; dropin: three empty tensors (its
+    backward takes Q, K, V themselves), the FP4 O (float32), the log-sum-exp and an empty maximum."""
+    attnqat = method == "attnqat"
+    qf = fake_quantize_nvfp4(q, -1)
+    kf = fake_quantize_nvfp4(k, -1)
+    vf = fake_quantize_nvfp4(v, 1)
+    fwd_config = (json.loads(config) if config else {}).get("fwd")
+    if attnqat and gluon_fwd_qat.choose_qat_schedule(qf, kf, vf, schedule, fwd_config) == "gluon":
+        o, o2, lse2, m2 = gluon_fwd_qat.gluon_attnqat_forward(qf, kf, vf, sm_scale=scale)
+    else:
+        # dropin's D = rowsum(dO ∘ O) takes O in float32, as attnqat's takes O' (float32)
+        o, o2, lse2, m2 = attention_forward(qf, kf, vf, sm_scale=scale, p_mode=P_NVFP4, need_o2=attnqat,
+                                            store_stats=True, out_dtype=None if attnqat else torch.float32,
+                                            config=fwd_config)
+    if attnqat:
+        return (o.to(q.dtype).contiguous(), qf.contiguous(), kf.contiguous(), vf.contiguous(), o2.contiguous(),
+                lse2.contiguous(), m2.contiguous())
+    del qf, kf, vf
+    e = q.new_empty(0)
+    return (o.to(q.dtype).contiguous(), e, e.clone(), e.clone(), o.contiguous(), lse2.contiguous(),
+            lse2.new_empty(0))
 
-    @staticmethod
-    def backward(ctx, do):
-        if ctx.method == "attnqat":
-            qf, kf, vf, o2, lse2, m2 = ctx.saved_tensors
-            dq, dk, dv = attention_backward(qf, kf, vf, o2, do, lse2, m2, sm_scale=ctx.scale, quant_p=True,
-                                            config=ctx.config, schedule=ctx.schedule)
-        else:
-            q, k, v, o, lse2 = ctx.saved_tensors
-            dq, dk, dv = attention_backward(q, k, v, o, do, lse2, None, sm_scale=ctx.scale, quant_p=False,
-                                            config=ctx.config, schedule=ctx.schedule)
-        return dq, dk, dv, None, None, None, None
+
+@_train_forward.register_fake
+def _(q, k, v, scale, method, config, schedule):
+    B, Sq, H, D = q.shape
+    f32 = torch.float32
+    lse = q.new_empty(B, H, Sq, dtype=f32)
+    if method == "attnqat":
+        return (q.new_empty(q.shape), q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+                q.new_empty(q.shape, dtype=f32), lse, q.new_empty(B, H, Sq, dtype=f32))
+    e = q.new_empty(0)
+    return q.new_empty(q.shape), e, e.clone(), e.clone(), q.new_empty(q.shape, dtype=f32), lse, lse.new_empty(0)
+
+
+def _train_setup_context(ctx, inputs, output) -> None:
+    q, k, v, scale, method, config, schedule = inputs
+    _, qf, kf, vf, o2, lse2, m2 = output
+    if method == "attnqat":
+        ctx.save_for_backward(qf, kf, vf, o2, lse2, m2)
+    else:
+        ctx.save_for_backward(q, k, v, o2, lse2)
+    ctx.scale, ctx.method, ctx.schedule = scale, method, schedule
+    ctx.config = (json.loads(config) if config else {}).get("bwd")
+
+
+def _train_backward(ctx, do, *_unused):
+    if ctx.method == "attnqat":
+        qf, kf, vf, o2, lse2, m2 = ctx.saved_tensors
+        dq, dk, dv = attention_backward(qf, kf, vf, o2, do, lse2, m2, sm_scale=ctx.scale, quant_p=True,
+                                        config=ctx.config, schedule=ctx.schedule)
+    else:
+        q, k, v, o, lse2 = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, do, lse2, None, sm_scale=ctx.scale, quant_p=False,
+                                        config=ctx.config, schedule=ctx.schedule)
+    return dq, dk, dv, None, None, None, None
+
+
+_train_forward.register_autograd(_train_backward, setup_context=_train_setup_context)
+
+
+def fp4_training_attention(q, k, v, scale: float, method: str, config: dict | None = None,
+                           schedule: str | None = None) -> torch.Tensor:
+    """``attnqat`` / ``dropin`` on the fused kernels, (B, S, H, D) in and out, differentiable
+    (``torch.ops.attnqat.triton_fp4_train_forward``)."""
+    cfg = json.dumps(config, sort_keys=True) if config else None
+    return torch.ops.attnqat.triton_fp4_train_forward(q, k, v, float(scale), method, cfg, schedule)[0]
 
 
 def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None = None, *,
@@ -194,4 +231,4 @@ def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None
         if method == "nvfp4":
             return nvfp4_forward(q, k, v, scale, formulation=formulation, config=config, schedule=schedule)
         return sage3.sage3_forward(q, k, v, scale, config=config, schedule=schedule)
-    return FP4TrainingAttention.apply(q, k, v, scale, method, config, schedule)
+    return fp4_training_attention(q, k, v, scale, method, config, schedule)
