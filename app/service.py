@@ -44,7 +44,8 @@ from attnqat import methods as registry
 from attnqat.generate import (GenerationError, GenerationSettings, InvalidInput, Limits, StepEvent,
                               method_label, resolve_settings, run_methods, write_outputs)
 from attnqat.record import GenerationRecord, Timings
-from attnqat.wan import WanModels
+from attnqat.request import GenerationRequest
+from attnqat.wan import DEFAULT_MODEL, WanModels, default_shift, dtype_name, load_models
 
 #: One line under each built-in method's label (the registry's ``description``; Attn-QAT's depends on
 #: its weights: :meth:`AppService.note`).
@@ -388,8 +389,6 @@ class AppService:
     @property
     def defaults(self) -> dict[str, Any]:
         """The model's generation defaults, shift filled in."""
-        from attnqat.wan import default_shift
-
         d = dict(self.info.defaults)
         if d.get("shift") is None:
             d["shift"] = default_shift(int(d["height"]), int(d["width"]))
@@ -445,13 +444,13 @@ class AppService:
             elif len(set(methods)) == len(methods) and set(methods) <= set(registry.generation()):
                 methods = [m for m in registry.generation() if m in methods]  # display order
         blank = (lambda v: None if v is None or (isinstance(v, str) and not v.strip()) else v)
+        request = GenerationRequest(
+            prompt=prompt if not isinstance(prompt, str) else prompt.strip(),
+            negative_prompt=negative_prompt, methods=methods if methods is not None else [],
+            seed=-1 if blank(seed) is None else seed, steps=blank(steps), guidance=blank(guidance),
+            shift=blank(shift), height=height, width=width, frames=blank(frames), fp4_scope=fp4_scope)
         try:
-            settings, _ = resolve_settings(
-                prompt if not isinstance(prompt, str) else prompt.strip(),
-                negative_prompt=negative_prompt, methods=methods if methods is not None else [],
-                seed=-1 if blank(seed) is None else seed, steps=blank(steps),
-                guidance=blank(guidance), shift=blank(shift), height=height, width=width,
-                frames=blank(frames), fp4_scope=fp4_scope, models=self.models, limits=self.limits)
+            settings, _ = resolve_settings(request, models=self.models, limits=self.limits)
         except InvalidInput as exc:
             for k, v in page_errors(exc).items():
                 errors.setdefault(k, v)
@@ -591,8 +590,6 @@ def load_service(model: str | None = None, *, qat_transformer: str | None = "aut
                  log: Callable[[str], None] | None = None) -> AppService:
     """Load the models once and return the service (``qat_transformer="auto"``: the one the model
     folder names, if any; ``dtype="auto"``: what the device runs natively)."""
-    from attnqat.wan import DEFAULT_MODEL, dtype_name, load_models
-
     t0 = time.perf_counter()
     models = load_models(model or DEFAULT_MODEL, qat_transformer=qat_transformer, device=device,
                          offload=offload, dtype=dtype)

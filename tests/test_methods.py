@@ -13,7 +13,7 @@ from attnqat import attention
 from attnqat import methods as registry
 from attnqat.app import service as svc
 from attnqat.finetune import train as T
-from attnqat.generate import generate, parse_methods
+from attnqat.generate import GenerationRequest, generate, parse_methods
 from finetune_data import RUN, losses, small_model
 
 CALLS: list[tuple[int, ...]] = []
@@ -74,8 +74,9 @@ def test_a_registered_method_runs_through_attention(dummy):
 
 def test_a_registered_method_reaches_generate(dummy, tmp_path):
     assert "halfv" in parse_methods("bf16,halfv")
-    result = generate("a red ball", methods=("bf16", "halfv"), seed=1, steps=2, height=32, width=32,
-                      frames=5, device="cpu", dtype="float32", out=tmp_path / "out", progress=False)
+    result = generate(GenerationRequest(prompt="a red ball", methods=("bf16", "halfv"), seed=1, steps=2,
+                                        height=32, width=32, frames=5, device="cpu", dtype="float32",
+                                        out=tmp_path / "out"), progress=False)
     rec = json.loads((tmp_path / "out" / "record.json").read_text())
     assert list(rec["methods"]) == ["bf16", "halfv"]
     assert rec["methods"]["halfv"]["label"] == "Half-V" and rec["methods"]["halfv"]["video"] == "halfv.mp4"
