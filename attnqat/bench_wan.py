@@ -24,7 +24,11 @@ from typing import Any, Sequence
 import torch
 
 from . import methods as registry
+from .convert import param_dtype
 from .family import WAN21_T2V
+from .generate import versions
+from .tiny import TinyWanConfig, _transformer_config
+from .wan import resolve_device, set_method
 
 #: Wan 2.1 text-to-video transformer configs (diffusers' WanTransformer3DModel arguments).
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -46,8 +50,6 @@ TEXT_TOKENS = 512
 def model_config(name: str) -> dict[str, Any]:
     """The transformer config of ``1.3b``, ``14b`` or ``tiny`` (the embedded model's shape)."""
     if name == "tiny":
-        from .tiny import TinyWanConfig, _transformer_config
-
         return _transformer_config(TinyWanConfig())
     if name not in CONFIGS:
         raise ValueError(f"unknown config {name!r}; expected 1.3b, 14b or tiny")
@@ -82,8 +84,6 @@ def build_random_transformer(config: dict[str, Any], device: torch.device,
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 
-    from .convert import param_dtype
-
     with init_empty_weights():  # parameters on the meta device, buffers (RoPE tables) real
         model = WanTransformer3DModel(**config)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -115,8 +115,6 @@ def bench_forward(model, *, height: int, width: int, frames: int, methods: Seque
     Returns one row per method: forward time (median and all), attention time per forward and its
     share, and the self-attention sequence length.
     """
-    from .wan import set_method
-
     dev = next(model.parameters()).device
     dtype = model.dtype
     cfg = model.config
@@ -203,8 +201,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build, time, print the table, write JSON."""
-    from .wan import resolve_device
-
     def fail(msg: str) -> int:
         print(f"attnqat bench wan: error: {msg}", file=sys.stderr)
         return 2
@@ -243,7 +239,6 @@ def run(args: argparse.Namespace) -> int:
                               warmup=args.warmup, iters=args.iters, fp4_scope=args.fp4_scope,
                               backend=args.backend, seed=args.seed, log=log)
     print(format_table(rows))
-    from .generate import versions
 
     result = {"benchmark": "wan_transformer_forward", "config": args.config,
               "transformer_config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},

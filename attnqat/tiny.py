@@ -43,6 +43,7 @@ from typing import Iterable
 import torch
 
 from . import sidecar as sc
+from .convert import param_dtype
 from .sidecar import SIDECAR  # noqa: F401  (the file name; callers read it from here too)
 
 # The package attnqat.assets wherever it is installed: the repository's assets/ in an editable
@@ -251,8 +252,6 @@ def save_pipeline(pipe, out: str | Path, qat_out: str | Path | None = None, *,
     import copy
 
     from diffusers import WanPipeline
-
-    from .convert import param_dtype
 
     out = Path(out).resolve()
     qat = Path(qat_out).resolve() if qat_out is not None else None

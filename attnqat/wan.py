@@ -30,7 +30,7 @@ import os
 import re
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -38,6 +38,7 @@ import torch
 
 from . import methods as registry
 from .attention import BACKENDS, attention
+from .convert import load_wan_transformer
 from .family import WAN21_T2V, WAN_NEGATIVE_PROMPT, ModelFamily, by_pipeline_class, families
 from .reference import check_ablation
 from . import sidecar as sc
@@ -673,8 +674,6 @@ def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Pat
         when identical to the base or when the folder says they are a copy of the base) and the
         name the method goes by (``label``).
     """
-    from .convert import load_wan_transformer
-
     info = model_info(model)
     dev = resolve_device(device)
     dt, why = resolve_dtype(dtype, dev)

@@ -33,8 +33,11 @@ from pathlib import Path
 import torch
 
 from attnqat.family import WAN21_T2V, ModelFamily
+from attnqat.video import read_clip
+from attnqat.wan import DEFAULT_MODEL, ModelLoadError, model_info, resolve_device
 
 from .data import CACHE_MANIFEST, DataError, list_videos
+from .encode import Encoder, load_components, real_tokens
 from .runlog import now
 
 SETTINGS = ("model", "height", "width", "frames", "stride", "latent_dtype", "max_sequence_length")
@@ -97,11 +100,6 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
         attnqat.wan.ModelLoadError: the model cannot be loaded.
     """
     from tqdm.auto import tqdm
-
-    from attnqat.video import read_clip
-    from attnqat.wan import DEFAULT_MODEL, model_info, resolve_device
-
-    from .encode import Encoder, load_components, real_tokens
 
     model = model or DEFAULT_MODEL
     info = model_info(model)
@@ -190,8 +188,6 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnqat.wan import ModelLoadError
-
     try:
         build_cache(args.data, args.out, model=args.model, height=args.height, width=args.width,
                     frames=args.frames, stride=args.stride, shard_size=args.shard_size,

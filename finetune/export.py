@@ -16,7 +16,6 @@ the run kept one; the default then), ``live`` the optimizer's weights.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys

@@ -48,9 +48,19 @@ from pathlib import Path
 import numpy as np
 
 from attnqat import methods as registry
+from attnqat.convert import load_wan_transformer
+from attnqat.eval.stats import sign_test, wilson_interval
 from attnqat.family import for_folder as family_for
+from attnqat.tiny import TINY_MODEL_DIR, TINY_QAT_DIR
+from attnqat.wan import load_models
 
-from .runlog import device_name, now
+from . import checkpoint as ckpt
+from . import heldout
+from . import train as T
+from .attn_probe import CAPTURE_STEPS, attention_errors
+from .export import export, note
+from .plot import plot_runs
+from .runlog import device_name, now, read_log
 
 STAGES = ("train", "eval", "probe", "report", "ship")
 #: run name → (student attention, ablation, label)
@@ -88,8 +98,6 @@ PAIRS = (("qat-nvfp4", "base-bf16"), ("qat-nvfp4", "base-nvfp4"), ("qat-nvfp4", 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from attnqat.tiny import TINY_MODEL_DIR, TINY_QAT_DIR
-
     parser.add_argument("--work", type=Path, default=Path("runs/repro"),
                         help="working folder: runs/, export/, eval/ (continued across calls)")
     parser.add_argument("--stages", default="train,eval,report",
@@ -189,10 +197,6 @@ def train_args(args, name: str) -> list[str]:
 
 
 def stage_train(args, runs: list[str]) -> int:
-    from . import checkpoint as ckpt
-    from . import train as T
-    from .export import export
-
     t0 = time.perf_counter()
     if args.start_from is not None:
         missing = [str(_start_weights(args, r)) for r in runs
@@ -245,10 +249,6 @@ def _clip_record(score: dict) -> dict:
 
 
 def stage_eval(args, runs: list[str], configs: list[str]) -> int:
-    from attnqat.wan import load_models
-
-    from . import heldout
-
     folder = args.work / "eval"
     folder.mkdir(parents=True, exist_ok=True)
     wanted = configs or list(CONFIGS)
@@ -303,11 +303,6 @@ def stage_probe(args, runs: list[str]) -> int:
     """``WORK/probe.json``: :func:`attn_probe.attention_errors` of the base and of every run whose
     export exists, on the first ``--probe-prompts`` held-out prompts at the study's clip size
     (weight sets already in the file are kept)."""
-    from attnqat.wan import load_models
-
-    from . import heldout
-    from .attn_probe import CAPTURE_STEPS, attention_errors
-
     out = args.work / "probe.json"
     rec = json.loads(out.read_text()) if out.is_file() else {}
     todo = [w for w in ("base", *runs) if w not in rec.get("weights", {})
@@ -341,8 +336,6 @@ def _settings(inp) -> dict:
 
 def _transformer(args, models, weights: str):
     """The transformer of weight set ``weights``: the loaded base's, or a run's export."""
-    from attnqat.convert import load_wan_transformer
-
     if weights == "base":
         return models.pipe.transformer
     return load_wan_transformer(args.work / "export" / weights, config=dict(models.pipe.transformer.config),
@@ -364,8 +357,6 @@ def _base_reference(args, models, inp) -> list[np.ndarray]:
     """The base model's BF16 clips of the held-out prompts (what every configuration's PSNR/SSIM is
     measured against), generated once per work folder, model and prompt range and kept in
     ``WORK/cache`` (``*.npy``, uint8), so that later calls and parallel eval processes load them."""
-    from . import heldout
-
     model = hashlib.sha1(str(Path(args.model).resolve()).encode()).hexdigest()[:8]
     s = inp.settings[0]
     cache = args.work / "cache" / (f"base-bf16-{args.eval_offset}-{args.eval_prompts}-"
@@ -391,8 +382,6 @@ def _base_reference(args, models, inp) -> list[np.ndarray]:
 
 
 def _rate(k: int, n: int) -> str:
-    from attnqat.eval.stats import wilson_interval
-
     lo, hi = wilson_interval(k, n)
     return f"{100 * k / n:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]"
 
@@ -401,8 +390,6 @@ def paired(a: list[bool], b: list[bool], n_boot: int = 10000, seed: int = 0) -> 
     """All-correct of A against B on the same prompts and seeds: the difference of the rates,
     its 95 % paired-bootstrap interval (resampling prompts), and the exact McNemar test (two-sided
     binomial test of the discordant pairs)."""
-    from attnqat.eval.stats import sign_test
-
     x, y = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if x.shape != y.shape or not len(x):
         raise ValueError("paired comparison of unequal or empty outcome lists")
@@ -450,9 +437,6 @@ def _stability(recs: list[dict], clip: float) -> dict:
 
 
 def stage_report(args, runs: list[str], command: str) -> int:
-    from .plot import plot_runs
-    from .runlog import read_log
-
     ev = {c: json.loads((args.work / "eval" / f"{c}.json").read_text())
           for c in CONFIGS if (args.work / "eval" / f"{c}.json").is_file()}
     if "base-bf16" not in ev:
@@ -630,7 +614,6 @@ def stage_ship(args) -> int:
         rep = json.loads(report.read_text())
         record["evaluation"] = {"report": str(args.doc), "summaries": rep["summaries"],
                                 "pairs": rep["pairs"], "command": rep["command"]}
-    from .export import note
 
     record["qat_weights_note"] = (note(record["training"]) + "; the embedded model's Attn-QAT "
                                   f"weights, evaluated in {_shown(args.doc)}")
