@@ -95,6 +95,11 @@ PAIRS = (("qat-nvfp4", "base-bf16"), ("qat-nvfp4", "base-nvfp4"), ("qat-nvfp4", 
          ("qat-nvfp4", "qat-bf16"), ("qat-bf16", "base-bf16"),
          ("control-bf16", "base-bf16"), ("control-nvfp4", "control-bf16"),
          ("dropin-nvfp4", "base-bf16"), ("p2off-nvfp4", "base-bf16"), ("p1off-nvfp4", "base-bf16"))
+#: the 4-bit cost of a weight set is its NVFP4 configuration minus its BF16 one; Attn-QAT's is
+#: compared with the control's and the base's (claim 2 is that QAT makes the weights robust to it)
+COSTS = (("qat", "control"), ("qat", "base"))
+WEIGHTS = {"qat": "Attn-QAT", "control": "BF16 control", "base": "base"}
+ATTRS = ("colour", "shape", "motion")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -436,15 +441,8 @@ def _stability(recs: list[dict], clip: float) -> dict:
             "clipped": int((g > clip).sum()), "nonfinite": not bool(np.isfinite(loss).all())}
 
 
-def stage_report(args, runs: list[str], command: str) -> int:
-    ev = {c: json.loads((args.work / "eval" / f"{c}.json").read_text())
-          for c in CONFIGS if (args.work / "eval" / f"{c}.json").is_file()}
-    if "base-bf16" not in ev:
-        log("nothing to report: run the eval stage first")
-        return 2
-    figs = args.figures or args.doc.parent
-    figs.mkdir(parents=True, exist_ok=True)
-    run_dirs = {r: args.work / "runs" / r for r in runs if (args.work / "runs" / r / "log.jsonl").is_file()}
+def _report_header(args, ev: dict, run_dirs: dict, command: str) -> tuple[list[str], dict | None]:
+    """The report's opening: how it was made, the evaluation and the fine-tuning runs."""
     lines = ["# Attn-QAT on the embedded tiny model: the paper's claims, measured", "",
              f"Written by `{command}` on {now()[:10]} (every number below comes from it; the "
              "training and evaluation stages can run in several calls, each continuing the last)."]
@@ -477,6 +475,12 @@ def stage_report(args, runs: list[str], command: str) -> int:
                   "Each run is `attnqat finetune train` with:", ""]
         for r in run_dirs:
             lines.append(f"- {RUNS[r][2]}: `attnqat finetune train {shlex.join(train_args(args, r))}`")
+    return lines, cfg0
+
+
+def _report_quality(ev: dict) -> list[str]:
+    """The quality table, one row per configuration."""
+    lines: list[str] = []
     lines += ["", "## Quality", "",
               "Object-level rates for colour, shape and motion (one- and two-object prompts); clip-level "
               "rate of clips with everything right; 95 % Wilson intervals in brackets. PSNR and SSIM "
@@ -492,6 +496,12 @@ def stage_report(args, runs: list[str], command: str) -> int:
         lines.append(f"| {CONFIGS[c][2]} | " + " | ".join(_rate(sum(o[a] for o in objs), len(objs))
                                                         for a in ATTRS)
                      + f" | {_rate(allc, len(rec['clips']))} | {psnr} | {ssim} |")
+    return lines
+
+
+def _report_pairs(ev: dict) -> tuple[list[str], dict]:
+    """The paired comparisons of :data:`PAIRS` that both ran."""
+    lines: list[str] = []
     lines += ["", "## Paired comparisons", "",
               "All-correct rate of A minus B on the same prompts and seeds; 95 % paired-bootstrap "
               "interval (10,000 resamples of the prompts); exact McNemar test on the clips only one "
@@ -506,6 +516,12 @@ def stage_report(args, runs: list[str], command: str) -> int:
             lines.append(f"| {CONFIGS[a][2]} | {CONFIGS[b][2]} | {100 * pr['diff']:+.1f} | "
                          f"[{100 * pr['lo']:+.1f}, {100 * pr['hi']:+.1f}] | {pr['only_a']} | "
                          f"{pr['only_b']} | {_p(pr['p'])} |")
+    return lines, verdicts
+
+
+def _report_costs(ev: dict) -> tuple[list[str], dict]:
+    """The 4-bit cost of each weight set, paired across :data:`COSTS`."""
+    lines: list[str] = []
     costs = {}
     for a, b in COSTS:
         cfgs = [f"{a}-nvfp4", f"{a}-bf16", f"{b}-nvfp4", f"{b}-bf16"]
@@ -521,6 +537,12 @@ def stage_report(args, runs: list[str], command: str) -> int:
         for (a, b), c in costs.items():
             lines.append(f"| {WEIGHTS[a]} | {WEIGHTS[b]} | {100 * c['cost_a']:+.1f} | {100 * c['cost_b']:+.1f} | "
                          f"{100 * c['diff']:+.1f} | [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] |")
+    return lines, costs
+
+
+def _report_probe(args) -> list[str]:
+    """The attention probe's table (``WORK/probe.json``), when it ran."""
+    lines: list[str] = []
     probe = json.loads((args.work / "probe.json").read_text()) if (args.work / "probe.json").is_file() else None
     if probe:
         ps = probe["settings"]
@@ -539,6 +561,12 @@ def stage_report(args, runs: list[str], command: str) -> int:
             lines.append(f"| {names.get(w, w)} | {r['mean']:.4f} | {r['layers'][0]:.4f} | {r['layers'][-1]:.4f} | "
                          f"{max(r['layers']):.4f} (layer {int(np.argmax(r['layers']))}) | "
                          f"{st[0]:.4f} / {st[-1]:.4f} |")
+    return lines
+
+
+def _report_target(verdicts: dict, costs: dict) -> list[str]:
+    """The verdicts against the target."""
+    lines: list[str] = []
     lines += ["", "## Against the target", ""]
     q = verdicts.get(("qat-nvfp4", "base-bf16"))
     if q is not None:
@@ -565,6 +593,12 @@ def stage_report(args, runs: list[str], command: str) -> int:
                      f"attention buys in robustness): {100 * c['cost_a']:+.1f} against "
                      f"{100 * c['cost_b']:+.1f} points, difference {100 * c['diff']:+.1f} "
                      f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}].")
+    return lines
+
+
+def _report_training(args, run_dirs: dict, cfg0: dict | None, figs: Path) -> list[str]:
+    """The training curves and the stability table of the runs."""
+    lines: list[str] = []
     if run_dirs:
         curves = figs / "repro_curves.png"
         plot_runs(list(run_dirs.values()), curves, labels=[RUNS[r][2] for r in run_dirs], smooth=25,
@@ -583,6 +617,24 @@ def stage_report(args, runs: list[str], command: str) -> int:
                       labels=[RUNS["attnqat"][2], RUNS["dropin"][2]], smooth=25,
                       title="Attn-QAT against drop-in FP4 fine-tuning")
             lines += ["", f"![Attn-QAT against drop-in]({_rel(dropin, args.doc)})"]
+    return lines
+
+
+def stage_report(args, runs: list[str], command: str) -> int:
+    ev = {c: json.loads((args.work / "eval" / f"{c}.json").read_text())
+          for c in CONFIGS if (args.work / "eval" / f"{c}.json").is_file()}
+    if "base-bf16" not in ev:
+        log("nothing to report: run the eval stage first")
+        return 2
+    figs = args.figures or args.doc.parent
+    figs.mkdir(parents=True, exist_ok=True)
+    run_dirs = {r: args.work / "runs" / r for r in runs if (args.work / "runs" / r / "log.jsonl").is_file()}
+    lines, cfg0 = _report_header(args, ev, run_dirs, command)
+    lines += _report_quality(ev)
+    pair_lines, verdicts = _report_pairs(ev)
+    cost_lines, costs = _report_costs(ev)
+    lines += pair_lines + cost_lines + _report_probe(args) + _report_target(verdicts, costs)
+    lines += _report_training(args, run_dirs, cfg0, figs)
     args.doc.parent.mkdir(parents=True, exist_ok=True)
     args.doc.write_text("\n".join(lines) + "\n")
     (args.work / "report.json").write_text(json.dumps(
@@ -591,6 +643,8 @@ def stage_report(args, runs: list[str], command: str) -> int:
          "summaries": {c: r["summary"] for c, r in ev.items()}}, indent=1) + "\n")
     log(f"wrote {args.doc}")
     return 0
+
+
 
 
 def _rel(path: Path, doc: Path) -> str:
