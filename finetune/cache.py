@@ -88,6 +88,41 @@ def check_size(height: int, width: int, frames: int, stride: int = 1, family: Mo
         raise DataError(f"stride must be >= 1, got {stride}")
 
 
+def _open_manifest(out: Path, settings: dict) -> dict:
+    """The manifest of the cache in ``out`` (a new one if there is none); an existing cache made with
+    other settings is refused."""
+    manifest_path = out / CACHE_MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        diff = [f"{k} {manifest.get(k)!r} (cache) vs {settings[k]!r} (now)" for k in SETTINGS
+                if manifest.get(k) != settings[k]]
+        if diff:
+            raise DataError(f"{out} is a cache made with other settings: {'; '.join(diff)}; use "
+                            "another --out or the same settings")
+        return manifest
+    out.mkdir(parents=True, exist_ok=True)
+    return {"version": 1, **settings, "created": now(), "shards": [], "skipped": []}
+
+
+def _flush(out: Path, manifest: dict, buf: list, store: torch.dtype) -> None:
+    """Write the buffered clips as the next shard, record it in the manifest, empty ``buf``."""
+    if not buf:
+        return
+    file = f"shard-{len(manifest['shards']):05d}.safetensors"
+    texts = [t for _, _, _, t in buf]
+    offsets = torch.tensor([0] + [t.shape[0] for t in texts]).cumsum(0)
+    _save_shard(out, file, {"latents": torch.stack([z for _, _, z, _ in buf]).to(store),
+                            "text": torch.cat(texts).to(torch.bfloat16),
+                            "text_offsets": offsets})
+    manifest["shards"].append({"file": file, "names": [n for n, _, _, _ in buf],
+                               "captions": [c for _, c, _, _ in buf]})
+    manifest["latent_shape"] = list(buf[0][2].shape)
+    manifest["text_dim"] = int(texts[0].shape[-1])
+    manifest["updated"] = now()
+    _write_json(out / CACHE_MANIFEST, manifest)
+    buf.clear()
+
+
 def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
                 height: int | None = None, width: int | None = None, frames: int | None = None,
                 stride: int = 1, shard_size: int = 64, latent_dtype: str = "bfloat16",
@@ -115,16 +150,7 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
                 "stride": stride, "latent_dtype": latent_dtype,
                 "max_sequence_length": int(d.get("max_sequence_length", 512))}
     manifest_path = out / CACHE_MANIFEST
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        diff = [f"{k} {manifest.get(k)!r} (cache) vs {settings[k]!r} (now)" for k in SETTINGS
-                if manifest.get(k) != settings[k]]
-        if diff:
-            raise DataError(f"{out} is a cache made with other settings: {'; '.join(diff)}; use "
-                            "another --out or the same settings")
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        manifest = {"version": 1, **settings, "created": now(), "shards": [], "skipped": []}
+    manifest = _open_manifest(out, settings)
     done = {n for s in manifest["shards"] for n in s["names"]}
     todo = [c for c in clips if c[0] not in done]
     manifest["skipped"] = []
@@ -141,21 +167,7 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
     buf: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
 
     def flush() -> None:
-        if not buf:
-            return
-        file = f"shard-{len(manifest['shards']):05d}.safetensors"
-        texts = [t for _, _, _, t in buf]
-        offsets = torch.tensor([0] + [t.shape[0] for t in texts]).cumsum(0)
-        _save_shard(out, file, {"latents": torch.stack([z for _, _, z, _ in buf]).to(store),
-                                "text": torch.cat(texts).to(torch.bfloat16),
-                                "text_offsets": offsets})
-        manifest["shards"].append({"file": file, "names": [n for n, _, _, _ in buf],
-                                   "captions": [c for _, c, _, _ in buf]})
-        manifest["latent_shape"] = list(buf[0][2].shape)
-        manifest["text_dim"] = int(texts[0].shape[-1])
-        manifest["updated"] = now()
-        _write_json(manifest_path, manifest)
-        buf.clear()
+        _flush(out, manifest, buf, store)
 
     t0 = time.perf_counter()
     bar = tqdm(todo, desc="cache", unit="clip", disable=not progress, file=sys.stderr,
