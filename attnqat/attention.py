@@ -91,8 +91,8 @@ def validate(q, k, v, method: str, softmax_scale, backend: str) -> float:
 def _kernels():
     """The fused kernel package's entry points, or None with the reason they cannot be used.
 
-    Imported here, on first use, not at the top: it imports triton (about 0.3 s on the 2-core CI
-    machine, 2026-11-26), which ``import attnqat`` and every CPU-only command would pay for nothing.
+    Imported here, on first use, not at the top: it imports triton (0.3 s, and 1.6–2.5 s while
+    other work ran, on the 2-core CI machine, 2026-11-26), which ``import attnqat`` and every CPU-only command would pay for nothing.
     """
     try:
         from .kernels import api  # noqa: PLC0415  (imports triton; optional on CPU machines)

@@ -35,8 +35,8 @@ def __getattr__(name: str):
     """Resolve the entry points and submodules on first use (PEP 562).
 
     Lazy on purpose: :mod:`attnqat.nvfp4` imports :mod:`.formats` at every ``import attnqat``, and
-    the entry points import triton and compile-time kernel definitions (0.3 s measured on the 2-core
-    CI machine, 2026-11-26), which CPU-only commands would pay for nothing.
+    the entry points import triton and compile-time kernel definitions (0.3 s, and 1.6–2.5 s while
+    other work ran, measured on the 2-core CI machine, 2026-11-26, after ``import attnqat``), which CPU-only commands would pay for nothing.
     """
     if name in _API:
         return getattr(importlib.import_module(".api", __name__), name)
