@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from urllib.parse import quote
 
-from attnqat.generate import METHOD_LABELS
+from attnqat import methods as registry
 
 from .service import describe_errors
 from .service import method_note as _method_note
@@ -101,7 +101,7 @@ def _esc(x: Any) -> str:
 def method_label(record: dict[str, Any], method: str) -> str:
     """The method's name as the record gives it (Attn-QAT's says which weights ran)."""
     entry = record.get("methods", {}).get(method, {})
-    return entry.get("label") or METHOD_LABELS.get(method, method)
+    return entry.get("label") or registry.label(method)
 
 
 def method_note(record: dict[str, Any], method: str) -> str:
@@ -259,7 +259,7 @@ def render_progress(snapshot: dict[str, Any], headline: str) -> str:
         t = row.get("timings")
         if state == "done" and t is not None:
             text = f"done in {fmt_seconds(t.total_s)}"
-        label = row.get("label") or METHOD_LABELS[row["method"]]
+        label = row.get("label") or registry.label(row["method"])
         rows.append(
             f'<div class="aq-prow" data-method="{_esc(row["method"])}" data-state="{state}">'
             f'<span class="aq-pname">{_esc(label)}</span>'

@@ -40,25 +40,29 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from attnqat.generate import (GENERATION_METHODS, METHOD_LABELS, GenerationError, GenerationSettings,
-                              InvalidInput, Limits, StepEvent, method_label, resolve_settings,
-                              run_methods, write_outputs)
+from attnqat import methods as registry
+from attnqat.generate import (GenerationError, GenerationSettings, InvalidInput, Limits, StepEvent,
+                              method_label, resolve_settings, run_methods, write_outputs)
 from attnqat.record import GenerationRecord, Timings
-from attnqat.wan import WanModels
+from attnqat.request import GenerationRequest
+from attnqat.wan import DEFAULT_MODEL, WanModels, default_shift, dtype_name, load_models
 
-#: One line under each method's label (Attn-QAT's depends on its weights: :meth:`AppService.note`).
-METHOD_NOTES = {"bf16": "reference: attention without quantization",
-                "nvfp4": "4-bit attention dropped in", "sage3": "4-bit with outlier smoothing"}
-QAT_NOTE_FINE_TUNED = "4-bit attention in the model fine-tuned with Attn-QAT"
+#: One line under each built-in method's label (the registry's ``description``; Attn-QAT's depends on
+#: its weights: :meth:`AppService.note`).
+METHOD_NOTES = {m.name: m.description for m in registry.all_methods() if m.generation == "base"}
+QAT_NOTE_FINE_TUNED = registry.get("attnqat").description
 QAT_NOTE_BASE_COPY = "4-bit attention on a copy of the base weights: the same clip as NVFP4"
 
 
 def method_note(method: str, qat_info: dict[str, Any] | None = None) -> str:
     """One line under the method's name (Attn-QAT's by whether ``qat_info`` — the loaded weights'
     :attr:`~attnqat.wan.WanModels.qat_info` or a record's ``qat`` — says they are fine-tuned)."""
-    if method == "attnqat":
-        return QAT_NOTE_FINE_TUNED if (qat_info or {}).get("fine_tuned") else QAT_NOTE_BASE_COPY
-    return METHOD_NOTES.get(method, "")
+    if method not in registry.names():
+        return ""
+    m = registry.get(method)
+    if m.generation == "finetuned" and not (qat_info or {}).get("fine_tuned"):
+        return QAT_NOTE_BASE_COPY
+    return m.description
 
 
 #: Inputs of a generation, in the order of the API endpoint's parameters.
@@ -122,9 +126,9 @@ class Fault:
         if kind not in FAULT_KINDS:
             raise ValueError(f"{FAULT_ENV}={spec!r}: expected KIND[@METHOD] with KIND one of "
                              f"{', '.join(FAULT_KINDS)}")
-        if method and method not in GENERATION_METHODS:
+        if method and method not in registry.generation():
             raise ValueError(f"{FAULT_ENV}={spec!r}: unknown method {method!r}; expected one of "
-                             f"{', '.join(GENERATION_METHODS)}")
+                             f"{', '.join(registry.generation())}")
         return cls(kind, method or None)
 
     def exception(self, method: str) -> BaseException:
@@ -176,7 +180,7 @@ class Progress:
     def __init__(self, methods: Sequence[str], steps: int, labels: dict[str, str] | None = None):
         self.methods = tuple(methods)
         self.steps = steps
-        self.labels = {m: (labels or {}).get(m, METHOD_LABELS.get(m, m)) for m in self.methods}
+        self.labels = {m: (labels or {}).get(m, registry.label(m)) for m in self.methods}
         self._lock = threading.Lock()
         self._per = {m: _MethodProgress() for m in self.methods}
         self.phase = "waiting"  # waiting → text → denoising → decoding → writing → done | failed
@@ -363,9 +367,11 @@ class AppService:
     # -- what the model offers ----------------------------------------------------------------
     def availability(self) -> dict[str, str | None]:
         """Method → None when it can run, else the reason it cannot."""
-        out: dict[str, str | None] = {m: None for m in GENERATION_METHODS}
+        out: dict[str, str | None] = {m: None for m in registry.generation()}
         if self.models.qat_transformer is None:
-            out["attnqat"] = ("needs Attn-QAT weights: start the app with --qat-transformer PATH "
+            for m in out:
+                if registry.uses_finetuned(m):
+                    out[m] = ("needs Attn-QAT weights: start the app with --qat-transformer PATH "
                               "(a diffusers transformer folder or a .safetensors file)")
         return out
 
@@ -383,8 +389,6 @@ class AppService:
     @property
     def defaults(self) -> dict[str, Any]:
         """The model's generation defaults, shift filled in."""
-        from attnqat.wan import default_shift
-
         d = dict(self.info.defaults)
         if d.get("shift") is None:
             d["shift"] = default_shift(int(d["height"]), int(d["width"]))
@@ -437,16 +441,16 @@ class AppService:
             blocked = [m for m in methods if avail.get(m)]
             if blocked:
                 errors["methods"] = "; ".join(f"{self.label(m)} cannot run: {avail[m]}" for m in blocked)
-            elif len(set(methods)) == len(methods) and set(methods) <= set(GENERATION_METHODS):
-                methods = [m for m in GENERATION_METHODS if m in methods]  # display order
+            elif len(set(methods)) == len(methods) and set(methods) <= set(registry.generation()):
+                methods = [m for m in registry.generation() if m in methods]  # display order
         blank = (lambda v: None if v is None or (isinstance(v, str) and not v.strip()) else v)
+        request = GenerationRequest(
+            prompt=prompt if not isinstance(prompt, str) else prompt.strip(),
+            negative_prompt=negative_prompt, methods=methods if methods is not None else [],
+            seed=-1 if blank(seed) is None else seed, steps=blank(steps), guidance=blank(guidance),
+            shift=blank(shift), height=height, width=width, frames=blank(frames), fp4_scope=fp4_scope)
         try:
-            settings, _ = resolve_settings(
-                prompt if not isinstance(prompt, str) else prompt.strip(),
-                negative_prompt=negative_prompt, methods=methods if methods is not None else [],
-                seed=-1 if blank(seed) is None else seed, steps=blank(steps),
-                guidance=blank(guidance), shift=blank(shift), height=height, width=width,
-                frames=blank(frames), fp4_scope=fp4_scope, models=self.models, limits=self.limits)
+            settings, _ = resolve_settings(request, models=self.models, limits=self.limits)
         except InvalidInput as exc:
             for k, v in page_errors(exc).items():
                 errors.setdefault(k, v)
@@ -586,8 +590,6 @@ def load_service(model: str | None = None, *, qat_transformer: str | None = "aut
                  log: Callable[[str], None] | None = None) -> AppService:
     """Load the models once and return the service (``qat_transformer="auto"``: the one the model
     folder names, if any; ``dtype="auto"``: what the device runs natively)."""
-    from attnqat.wan import DEFAULT_MODEL, dtype_name, load_models
-
     t0 = time.perf_counter()
     models = load_models(model or DEFAULT_MODEL, qat_transformer=qat_transformer, device=device,
                          offload=offload, dtype=dtype)

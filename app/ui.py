@@ -32,7 +32,7 @@ from typing import Any
 
 import gradio as gr
 
-from attnqat.generate import GENERATION_METHODS, InvalidInput
+from attnqat.generate import InvalidInput
 from attnqat.prompts import model_prompts
 from attnqat.tiny import ASSETS_DIR, TINY_MODEL_DIR
 from attnqat.wan import dtype_name
@@ -107,7 +107,7 @@ def _methods_info(service: AppService) -> str:
 def _method_choices(service: AppService) -> list[tuple[str, str]]:
     avail = service.availability()
     return [(f"{service.label(m)} — {service.note(m)}" if avail[m] is None
-             else f"{service.label(m)} — unavailable (see below)", m) for m in GENERATION_METHODS]
+             else f"{service.label(m)} — unavailable (see below)", m) for m in avail]
 
 
 def _validations(service: AppService, values: tuple[Any, ...], extra: int) -> list[dict]:
@@ -240,7 +240,7 @@ def build_app(service: AppService, *, queue_size: int = 8) -> gr.Blocks:
         # validation as they were sent; it explains bad values).
         with gr.Column(visible=False):
             a_prompt = gr.Textbox(label="prompt")
-            a_methods = gr.Dropdown(choices=list(GENERATION_METHODS), value=available,
+            a_methods = gr.Dropdown(choices=list(service.availability()), value=available,
                                     multiselect=True, allow_custom_value=True, label="methods")
             a_seed = gr.Number(value=-1, precision=None, label="seed")
             a_steps = gr.Number(value=int(d["steps"]), precision=None, label="steps")

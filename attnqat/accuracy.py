@@ -22,12 +22,14 @@ from pathlib import Path
 
 import torch
 
+from . import methods as registry
 from .attention import attention
 from .metrics import compare
 from .reference import exact_attention
 
 KINDS = ("random", "outliers")
-DEFAULT_METHODS = ("nvfp4", "sage3")
+#: the 4-bit inference methods of the registry (``nvfp4``, ``sage3``)
+DEFAULT_METHODS = tuple(m for m in registry.inference() if registry.get(m).four_bit)
 
 
 def student_t2(shape, generator: torch.Generator) -> torch.Tensor:
@@ -56,7 +58,7 @@ def measure(kinds=KINDS, methods=DEFAULT_METHODS, B=1, S=1024, H=4, D=128, seed=
     for kind in kinds:
         q, k, v = make_inputs(kind, B, S, H, D, seed, device)
         exact = exact_attention(*(x.transpose(1, 2) for x in (q, k, v)), D ** -0.5).transpose(1, 2)
-        for method in ("bf16", *methods):
+        for method in (registry.REFERENCE, *methods):
             t0 = time.perf_counter()
             with torch.no_grad():
                 out = attention(q, k, v, method=method, backend=backend)
@@ -87,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1, help="batch size, at least 1")
     parser.add_argument("--seed", type=int, default=0, help="seed of the inputs")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                        help="comma-separated 4-bit methods to compare with bf16 (nvfp4, sage3, "
-                             "attnqat, dropin)")
+                        help="comma-separated 4-bit methods to compare with bf16 ("
+                             f"{', '.join(registry.four_bit())})")
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if available)")
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="attention backend for the 4-bit methods")
@@ -118,10 +120,11 @@ def _check_writable(path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    bad = [m for m in methods if m not in ("nvfp4", "sage3", "attnqat", "dropin")]
+    four_bit = registry.four_bit()
+    bad = [m for m in methods if m not in four_bit]
     if bad or not methods:
         raise _fail(f"not a 4-bit method: {', '.join(bad) or '(none given)'} "
-                    "(expected nvfp4, sage3, attnqat or dropin)")
+                    f"(expected {', '.join(four_bit[:-1])} or {four_bit[-1]})")
     for name, value in (("--seq", args.seq), ("--heads", args.heads), ("--batch", args.batch)):
         if value < 1:
             raise _fail(f"{name} must be at least 1, got {value}")

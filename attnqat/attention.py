@@ -14,10 +14,13 @@ attnqat    forward as nvfp4; Attn-QAT backward (both principles)        yes (exp
 dropin     forward as nvfp4; ordinary FlashAttention backward (ablation) yes (explicit)
 ========== ============================================================ ==================
 
-Backends: ``"torch"`` is the PyTorch reference (:mod:`attnqat.reference`), ``"triton"`` the fused
-kernels of :mod:`attnqat.kernels` (CUDA), ``"auto"`` the kernels where they support the inputs and
-otherwise the PyTorch reference OF THE SAME METHOD, with a one-time warning saying why. No backend
-ever substitutes a different method.
+Methods are defined in one place, the registry :mod:`attnqat.methods`; the table above lists the
+built-in ones and this module reads the registry, so a registered method is accepted here too.
+
+Backends: ``"torch"`` is the method's PyTorch reference (:mod:`attnqat.ops` over
+:mod:`attnqat.reference`), ``"triton"`` its fused kernels (:mod:`attnqat.kernels`, CUDA), ``"auto"``
+the kernels where they support the inputs and otherwise the PyTorch reference OF THE SAME METHOD,
+with a one-time warning saying why. No backend ever substitutes a different method.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import math
 import warnings
 
 import torch
-import torch.nn.functional as F
 
+from . import methods as registry
 from . import reference as ref
 
-METHODS = ("bf16", "nvfp4", "sage3", "attnqat", "dropin")
-FP4_METHODS = ("nvfp4", "sage3", "attnqat", "dropin")
-TRAINABLE_METHODS = ("bf16", "attnqat", "dropin")
+#: the built-in methods (registered by :mod:`attnqat.methods` at import); the live lists are
+#: :func:`attnqat.methods.names` and friends, which include methods registered later
+METHODS = registry.names()
+FP4_METHODS = registry.four_bit()
+TRAINABLE_METHODS = registry.trainable()
 BACKENDS = ("auto", "torch", "triton")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -47,8 +52,7 @@ def _warn_once(key: str, message: str) -> None:
 
 def validate(q, k, v, method: str, softmax_scale, backend: str) -> float:
     """Check the inputs at the boundary; return the softmax scale to use."""
-    if method not in METHODS:
-        raise ValueError(f"unknown attention method {method!r}; expected one of {', '.join(METHODS)}")
+    registry.get(method)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -84,81 +88,44 @@ def validate(q, k, v, method: str, softmax_scale, backend: str) -> float:
     return scale
 
 
-def _bhsd(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(1, 2)
-
-
-class _FP4TrainingAttention(torch.autograd.Function):
-    """Autograd for ``attnqat`` and ``dropin`` on the PyTorch reference, (B, S, H, D) in and out.
-
-    The forward is the nvfp4 forward; the backward is written out explicitly
-    (:func:`attnqat.reference.attnqat_backward` / :func:`attnqat.reference.dropin_backward`).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale: float, method: str, ablation: str | None = None):
-        qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
-        attnqat = method == "attnqat"
-        f = ref.fp4_forward(qb, kb, vb, scale, "nvfp4", need_o_prime=attnqat and ablation != "d_from_o")
-        if attnqat:
-            # Dequantized NVFP4 values are exact in bf16/fp16/fp32: store them in the input dtype.
-            # Ablations (reference.ABLATIONS): "d_from_o" keeps O for D instead of O' (principle 2
-            # off), "p_unquantized" keeps no row maximum, so dV uses P itself (principle 1 off).
-            dt = q.dtype
-            d_src = f.o if ablation == "d_from_o" else f.o_prime
-            row_max = None if ablation == "p_unquantized" else f.row_max
-            ctx.save_for_backward(f.qf.to(dt), f.kf.to(dt), f.vf.to(dt), d_src, f.lse, row_max)
-        else:
-            ctx.save_for_backward(qb, kb, vb, f.o, f.lse)
-        ctx.scale, ctx.method = scale, method
-        return f.o.to(q.dtype).transpose(1, 2)
-
-    @staticmethod
-    def backward(ctx, do):
-        dob = _bhsd(do)
-        if ctx.method == "attnqat":
-            dq, dk, dv = ref.attnqat_backward(*ctx.saved_tensors, dob, ctx.scale)
-        else:
-            dq, dk, dv = ref.dropin_backward(*ctx.saved_tensors, dob, ctx.scale)
-        dt = do.dtype
-        return (dq.to(dt).transpose(1, 2), dk.to(dt).transpose(1, 2), dv.to(dt).transpose(1, 2),
-                None, None, None)
-
-
-def _torch_attention(q, k, v, method: str, scale: float, ablation: str | None = None) -> torch.Tensor:
-    if method == "bf16":
-        o = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), scale=scale)
-        return o.transpose(1, 2)
-    if method in ("attnqat", "dropin"):
-        return _FP4TrainingAttention.apply(q, k, v, scale, method, ablation)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise RuntimeError(f"method {method!r} is inference-only and has no backward; use 'attnqat' "
-                           "(Attn-QAT training) or 'dropin' (the ablation) to train with 4-bit attention, "
-                           "or run under torch.no_grad()")
-    o = ref.fp4_forward(_bhsd(q), _bhsd(k), _bhsd(v), scale, method).o
-    return o.to(q.dtype).transpose(1, 2)
-
-
 def _kernels():
-    """The Triton kernel module, or None with the reason it cannot be used."""
+    """The fused kernel package's entry points, or None with the reason they cannot be used.
+
+    Imported here, on first use, not at the top: it imports triton (0.3 s, and 1.6–2.5 s while
+    other work ran, on the 2-core CI machine, 2026-11-26), which ``import attnqat`` and every CPU-only command would pay for nothing.
+    """
     try:
-        from attnqat import kernels  # noqa: PLC0415  (imports triton; optional on CPU machines)
+        from .kernels import api  # noqa: PLC0415  (imports triton; optional on CPU machines)
     except Exception as exc:  # pragma: no cover - depends on the machine
         return None, f"the Triton kernels could not be imported ({type(exc).__name__}: {exc})"
-    if not hasattr(kernels, "triton_attention"):
-        return None, "this build has no Triton attention kernels"
-    return kernels, None
+    return api, None
+
+
+def _kernel(m: registry.AttentionMethod, q, k, v):
+    """(run, None) when ``m``'s kernel takes these inputs, else (None, why not)."""
+    spec = m.kernel
+    if spec is None:
+        return None, f"method {m.name!r} has no fused kernel"
+    if spec.run is not None:
+        why = spec.unsupported(q, k, v) if spec.unsupported is not None else None
+        return spec.run, why
+    api, why = _kernels()
+    if api is None:
+        return None, why
+    why = api.triton_unsupported(q, k, v, spec.name)
+    return (lambda q, k, v, scale: api.triton_attention(q, k, v, method=spec.name, softmax_scale=scale)), why
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = "bf16",
               softmax_scale: float | None = None, backend: str = "auto",
               ablation: str | None = None) -> torch.Tensor:
-    """Attention on (batch, seq, heads, head_dim) tensors with one of :data:`METHODS`.
+    """Attention on (batch, seq, heads, head_dim) tensors with a method of :mod:`attnqat.methods`.
 
     Args:
         q: queries (B, Sq, H, D). k, v: keys and values (B, Skv, H, D). One floating dtype
             (bfloat16, float16 or float32) and one device for all three.
-        method: ``bf16`` | ``nvfp4`` | ``sage3`` | ``attnqat`` | ``dropin`` (module docstring).
+        method: ``bf16`` | ``nvfp4`` | ``sage3`` | ``attnqat`` | ``dropin`` (module docstring), or
+            any other registered method.
         softmax_scale: multiplies Q Kᵀ before the softmax; default 1/sqrt(head_dim).
         backend: ``auto`` | ``torch`` | ``triton``.
         ablation: with ``method="attnqat"`` only, switch one stability principle off in the
@@ -170,26 +137,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = "
         (B, Sq, H, D) in the dtype of ``q``.
     """
     scale = validate(q, k, v, method, softmax_scale, backend)
+    m = registry.get(method)
     if ablation is not None:
         ref.check_ablation(ablation)
-        if method != "attnqat":
-            raise ValueError(f"ablation {ablation!r} applies to method 'attnqat' only, not {method!r}")
+        if ablation not in m.ablations:
+            takers = " or ".join(repr(n) for n in registry.with_ablations())
+            raise ValueError(f"ablation {ablation!r} applies to method {takers} only, not {method!r}")
         if backend == "triton":
             raise RuntimeError(f"backend='triton' cannot run the Attn-QAT ablation {ablation!r}: the "
                                "ablations exist on the PyTorch reference only (backend='torch')")
         if q.device.type == "cuda" and backend == "auto":
             _warn_once(f"ablation:{ablation}", f"attnqat.attention: the Attn-QAT ablation {ablation!r} "
                        "runs on the PyTorch reference (no Triton kernel implements it)")
-        return _torch_attention(q, k, v, method, scale, ablation)
-    if backend == "torch" or (backend == "auto" and (q.device.type != "cuda" or method == "bf16")):
-        return _torch_attention(q, k, v, method, scale)
-    kernels, why = _kernels()
-    if kernels is not None:
-        why = kernels.triton_unsupported(q, k, v, method)
+        return m.reference(q, k, v, scale, ablation=ablation)
+    if backend == "torch" or (backend == "auto" and (q.device.type != "cuda" or m.kernel is None)):
+        return m.reference(q, k, v, scale)
+    run, why = _kernel(m, q, k, v)
     if why is None:
-        return kernels.triton_attention(q, k, v, method=method, softmax_scale=scale)
+        return run(q, k, v, scale)
     if backend == "triton":
         raise RuntimeError(f"backend='triton' cannot run method {method!r} here: {why}")
     _warn_once(f"{method}:{why}", f"attnqat.attention: Triton kernel not used for method {method!r} "
                f"({why}); running the PyTorch reference of the same method instead")
-    return _torch_attention(q, k, v, method, scale)
+    return m.reference(q, k, v, scale)

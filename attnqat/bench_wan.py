@@ -23,6 +23,13 @@ from typing import Any, Sequence
 
 import torch
 
+from . import methods as registry
+from .convert import param_dtype
+from .family import WAN21_T2V
+from .generate import versions
+from .tiny import TinyWanConfig, _transformer_config
+from .wan import resolve_device, set_method
+
 #: Wan 2.1 text-to-video transformer configs (diffusers' WanTransformer3DModel arguments).
 CONFIGS: dict[str, dict[str, Any]] = {
     "1.3b": dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128,
@@ -34,15 +41,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280)}
 DEFAULT_RESOLUTIONS = {"1.3b": "480p,720p", "14b": "480p", "tiny": "128x128"}
-BENCH_METHODS = ("bf16", "nvfp4", "sage3")
+#: the inference methods of the registry (``bf16``, ``nvfp4``, ``sage3``: a training method's forward
+#: is the one it deploys as)
+BENCH_METHODS = registry.inference()
 TEXT_TOKENS = 512
 
 
 def model_config(name: str) -> dict[str, Any]:
     """The transformer config of ``1.3b``, ``14b`` or ``tiny`` (the embedded model's shape)."""
     if name == "tiny":
-        from .tiny import TinyWanConfig, _transformer_config
-
         return _transformer_config(TinyWanConfig())
     if name not in CONFIGS:
         raise ValueError(f"unknown config {name!r}; expected 1.3b, 14b or tiny")
@@ -60,8 +67,9 @@ def parse_resolution(text: str) -> tuple[str, int, int]:
         h, w = int(h_s), int(w_s)
     except ValueError:
         raise ValueError(f"resolution {text!r} is not 480p, 720p or HxW") from None
-    if h <= 0 or w <= 0 or h % 16 or w % 16:
-        raise ValueError(f"resolution {text!r}: height and width must be positive multiples of 16")
+    why = WAN21_T2V.side_error(h) or WAN21_T2V.side_error(w)
+    if why:
+        raise ValueError(f"resolution {text!r}: height and width: {why}")
     return f"{h}x{w}", h, w
 
 
@@ -75,8 +83,6 @@ def build_random_transformer(config: dict[str, Any], device: torch.device,
     """
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
-
-    from .convert import param_dtype
 
     with init_empty_weights():  # parameters on the meta device, buffers (RoPE tables) real
         model = WanTransformer3DModel(**config)
@@ -109,8 +115,6 @@ def bench_forward(model, *, height: int, width: int, frames: int, methods: Seque
     Returns one row per method: forward time (median and all), attention time per forward and its
     share, and the self-attention sequence length.
     """
-    from .wan import set_method
-
     dev = next(model.parameters()).device
     dtype = model.dtype
     cfg = model.config
@@ -182,7 +186,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "14b; 128x128 for tiny)")
     parser.add_argument("--frames", type=int, default=None, help="frames, 4k+1 (None: 81; 33 for tiny)")
     parser.add_argument("--methods", default=",".join(BENCH_METHODS),
-                        help="comma-separated attention methods to time (bf16, nvfp4, sage3)")
+                        help=f"comma-separated attention methods to time ({', '.join(registry.inference())})")
     parser.add_argument("--fp4-scope", choices=("self", "all"), default="self",
                         help="self: 4-bit self-attention only; all: cross-attention too")
     parser.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
@@ -197,8 +201,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Build, time, print the table, write JSON."""
-    from .wan import resolve_device
-
     def fail(msg: str) -> int:
         print(f"attnqat bench wan: error: {msg}", file=sys.stderr)
         return 2
@@ -209,12 +211,13 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail(str(exc))
     frames = args.frames if args.frames is not None else (33 if args.config == "tiny" else 81)
-    if frames < 1 or (frames - 1) % 4:
-        return fail(f"--frames must be 4k+1, got {frames}")
+    why = WAN21_T2V.frames_error(frames)
+    if why:
+        return fail(f"--frames: {why}")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in BENCH_METHODS]
+    bad = [m for m in methods if m not in registry.inference()]
     if bad or not methods:
-        return fail(f"--methods must be some of {', '.join(BENCH_METHODS)}, got {args.methods!r}")
+        return fail(f"--methods must be some of {', '.join(registry.inference())}, got {args.methods!r}")
     if args.iters < 1 or args.warmup < 0:
         return fail("--iters must be ≥ 1 and --warmup ≥ 0")
     if dev.type != "cuda" and args.config != "tiny":
@@ -236,7 +239,6 @@ def run(args: argparse.Namespace) -> int:
                               warmup=args.warmup, iters=args.iters, fp4_scope=args.fp4_scope,
                               backend=args.backend, seed=args.seed, log=log)
     print(format_table(rows))
-    from .generate import versions
 
     result = {"benchmark": "wan_transformer_forward", "config": args.config,
               "transformer_config": {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()},

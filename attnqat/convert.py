@@ -32,6 +32,8 @@ from typing import Any, Mapping
 
 import torch
 
+from . import sidecar
+
 SCHEMES = ("diffusers", "fastvideo", "wan")
 
 # Prefixes that training frameworks and single-file exporters put in front of the model's names.
@@ -413,17 +415,13 @@ def load_wan_transformer(path: str | Path, *, config: Mapping[str, Any] | None =
     model.load_state_dict(ready, strict=True, assign=True)
     model.to(device)
     model.eval()
-    note = weights = None
-    sidecar = p / "attnqat.json" if p.is_dir() else None
-    if sidecar is not None and sidecar.is_file():
-        try:
-            meta = json.loads(sidecar.read_text())
-            note = meta.get("qat_weights_note") or meta.get("weights_note")
-            weights = meta.get("weights")
-        except (OSError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"cannot read {sidecar}: {exc}") from exc
+    try:
+        meta = sidecar.read(p) if p.is_dir() else None
+    except sidecar.SidecarError as exc:
+        raise CheckpointError(str(exc)) from exc
     return model, CheckpointInfo(path=str(p.resolve()), scheme=scheme, prefix=prefix,
-                                 tensors=len(raw), note=note, weights=weights)
+                                 tensors=len(raw), note=meta.note if meta else None,
+                                 weights=meta.weights if meta else None)
 
 
 __all__ = ["CheckpointError", "CheckpointInfo", "KNOWN_PREFIXES", "SCHEMES", "check_state_dict",

@@ -1,6 +1,7 @@
 """Generate one Wan 2.1 clip per attention method, side by side: the Python API of ``attnqat generate``.
 
-Methods (generation slots):
+Methods (generation slots; the registry :mod:`attnqat.methods` defines them — a method registered with
+``generation="base"`` or ``"finetuned"`` is a slot too):
 
 =========== ======================== ===============================================
 slot        transformer              attention at inference
@@ -35,7 +36,6 @@ format (``<method>.mp4``, ``side_by_side.mp4``, ``record.json``) is described in
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import os
 import platform
@@ -52,23 +52,29 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from . import methods as registry
 from . import video as vid
+from .attention import BACKENDS
+from .family import WAN21_T2V, ModelFamily
 from .record import GenerationRecord, MethodRecord, Precision, QATRecord, Timings
+from .request import GenerationRequest
 from .wan import (DEFAULT_MODEL, FP4_SCOPES, ModelInfo, ModelLoadError, WanModels, default_shift,
                   dtype_name, latent_shape, load_models, model_info, resolve_device, resolve_dtype,
                   set_method)
 
-GENERATION_METHODS = ("bf16", "nvfp4", "sage3", "attnqat")
-#: attention method each slot runs at inference
-SLOT_ATTENTION = {"bf16": "bf16", "nvfp4": "nvfp4", "sage3": "sage3", "attnqat": "nvfp4"}
+#: the built-in generation slots (the live list, methods registered later included, is
+#: :func:`attnqat.methods.generation`)
+GENERATION_METHODS = registry.generation()
+#: attention method each built-in slot runs at inference (live: :func:`attnqat.methods.slot_attention`)
+SLOT_ATTENTION = {m: registry.slot_attention(m) for m in GENERATION_METHODS}
 #: Wan 2.1 pads the prompt embeddings to 512 tokens; a model folder's sidecar may set its own
 #: ``max_sequence_length`` default (the embedded tiny model: 32, see docs/tiny_model.md)
 MAX_SEQUENCE_LENGTH = 512
 
 
-#: How each method is named on the page and in summaries (``attnqat``: see
-#: :func:`method_label`, it depends on the weights).
-METHOD_LABELS = {"bf16": "BF16", "nvfp4": "NVFP4", "sage3": "SageAttention3", "attnqat": "Attn-QAT"}
+#: How each built-in method is named on the page and in summaries (``attnqat``: see
+#: :func:`method_label`, it depends on the weights; live: :func:`attnqat.methods.label`).
+METHOD_LABELS = {m: registry.label(m) for m in GENERATION_METHODS}
 #: Largest seed (seeds are in [0, 2**63); −1 draws one).
 MAX_SEED = 2 ** 63 - 1
 #: Random seeds are drawn below this, so that they stay short enough to type back.
@@ -207,21 +213,20 @@ def parse_methods(methods: str | Sequence[str]) -> tuple[str, ...]:
     Raises:
         GenerationError: with ``field="methods"``.
     """
+    offered = registry.generation()
     if isinstance(methods, str):
         items = [m.strip() for m in methods.split(",")]
     elif isinstance(methods, (list, tuple)):
         items = [str(m).strip() for m in methods]
     else:
-        raise GenerationError(f"expected some of {', '.join(GENERATION_METHODS)}, got {methods!r}",
-                              "methods")
+        raise GenerationError(f"expected some of {', '.join(offered)}, got {methods!r}", "methods")
     items = [m for m in items if m]
     if not items:
-        raise GenerationError(f"select at least one method (some of {', '.join(GENERATION_METHODS)})",
-                              "methods")
-    unknown = [m for m in items if m not in GENERATION_METHODS]
+        raise GenerationError(f"select at least one method (some of {', '.join(offered)})", "methods")
+    unknown = [m for m in items if m not in offered]
     if unknown:
         raise GenerationError(f"unknown method(s) {', '.join(map(repr, unknown))}; expected some of "
-                              f"{', '.join(GENERATION_METHODS)}", "methods")
+                              f"{', '.join(offered)}", "methods")
     dup = sorted({m for m in items if items.count(m) > 1})
     if dup:
         raise GenerationError(f"method(s) listed more than once: {', '.join(dup)}", "methods")
@@ -313,7 +318,7 @@ def _check_backend(backend: str, methods: Sequence[str], fp4_scope: str, device:
     the Triton kernels only (no fallback to the reference); those need CUDA and BF16. Plain
     attention — the ``bf16`` method, and cross-attention under ``fp4_scope="self"`` — has no Triton
     kernel and runs PyTorch SDPA whatever the backend (:class:`attnqat.wan.AttnQATProcessor`)."""
-    if backend != "triton" or not any(m != "bf16" for m in methods):
+    if backend != "triton" or not any(registry.get(registry.slot_attention(m)).kernel for m in methods):
         return None
     if device.type != "cuda":
         return (f"the Triton kernels need a CUDA GPU and this run is on {device}; use "
@@ -323,33 +328,7 @@ def _check_backend(backend: str, methods: Sequence[str], fp4_scope: str, device:
     return None
 
 
-def resolve_settings(prompt: Any, *, negative_prompt: Any = None,
-                     methods: str | Sequence[str] = GENERATION_METHODS, seed: Any = -1,
-                     steps: Any = None, guidance: Any = None, shift: Any = None,
-                     height: Any = None, width: Any = None, frames: Any = None, fps: Any = None,
-                     model: str | Path = DEFAULT_MODEL, qat_transformer: str | Path | None = None,
-                     device: str = "auto", dtype: str = "auto", fp4_scope: str = "self",
-                     backend: str = "auto", offload: bool = False, out: str | Path | None = None,
-                     overwrite: bool = False, models: WanModels | None = None,
-                     limits: Limits | None = None) -> tuple[GenerationSettings, ModelInfo]:
-    """Check every input and fill defaults from the model, without loading any weights.
-
-    The one validation of a generation: the CLI, the Python API and the app all go through it.
-    Numbers may come as numbers or as text (``"42"``); integers must be whole (2.5 steps is an
-    error, not 2). None takes the model's default (:func:`attnqat.wan.model_info`): the embedded tiny
-    model gives 128×128, 33 frames, 16 fps, 20 steps, guidance 5, shift 3 and no negative prompt; a
-    real Wan 2.1 model 480×832, 81 frames, 16 fps, 50 steps, guidance 5, shift 3 below 720p and 5 at
-    720p, and Wan's own negative prompt. ``seed`` −1 draws a seed when the generation runs.
-
-    ``models``, when given, are the already loaded models the generation will run on: their
-    device, dtype and Attn-QAT transformer are used and nothing is looked up again.
-
-    Raises:
-        InvalidInput: every invalid input at once, each with its field and what is expected.
-        GenerationError: a request that cannot run as asked (its ``field`` says which input).
-    """
-    lim = limits or Limits()
-    c = _Checker()
+def _check_text(c: _Checker, prompt: Any, negative_prompt: Any, lim: Limits) -> None:
     if not isinstance(prompt, str) or not prompt.strip():
         c.fail("prompt", "enter a prompt (the text is empty)")
     elif lim.max_prompt_chars is not None and len(prompt) > lim.max_prompt_chars:
@@ -359,32 +338,24 @@ def resolve_settings(prompt: Any, *, negative_prompt: Any = None,
     elif (negative_prompt is not None and lim.max_prompt_chars is not None
           and len(negative_prompt) > lim.max_prompt_chars):
         c.fail("negative_prompt", f"at most {lim.max_prompt_chars} characters, got {len(negative_prompt)}")
-    chosen: tuple[str, ...] = ()
-    try:
-        chosen = parse_methods(methods)
-    except GenerationError as exc:
-        c.fail("methods", exc.message)
-    seed_i = _whole(seed)
-    if seed_i is None or not (seed_i == -1 or 0 <= seed_i <= MAX_SEED):
-        c.fail("seed", f"an integer from 0 to 2^63−1 ({MAX_SEED}), or −1 for a random seed; "
-                       f"got {seed!r}")
-    side = lim.max_side
-    hw = {}
+
+
+def _check_clip(c: _Checker, family: ModelFamily, height: Any, width: Any, frames: Any, lim: Limits) -> dict:
+    """Height, width and frames against the model family's rule (:meth:`ModelFamily.clip_errors`);
+    returns the whole numbers given."""
+    got = {}
     for name, v in (("height", height), ("width", width)):
         if v is not None:
-            hw[name] = c.whole(name, v, 16, side,
-                               f"a multiple of 16 from 16{'' if side is None else f' to {side}'} (the "
-                               "VAE downsamples by 8 and the transformer patches by 2)")
-            if hw[name] is not None and hw[name] % 16:
-                c.fail(name, f"a multiple of 16 (the VAE downsamples by 8 and the transformer "
-                             f"patches by 2); got {v!r}")
-    mf = lim.max_frames
+            got[name] = c.whole(name, v, family.size_multiple, lim.max_side, family.size_rule(lim.max_side))
     if frames is not None:
-        f = c.whole("frames", frames, 1, mf, f"4k+1 frames (1, 5, 9, …{'' if mf is None else f', {mf}'}) "
-                                             "because the VAE compresses time by 4")
-        if f is not None and (f - 1) % 4:
-            c.fail("frames", "4k+1 frames (1, 5, 9, …, 33, …) because the VAE compresses time by 4; "
-                             f"got {frames!r}")
+        got["frames"] = c.whole("frames", frames, 1, lim.max_frames, family.frames_rule(lim.max_frames))
+    ints = {k: v for k, v in got.items() if v is not None}
+    for name, message in family.clip_errors(**ints, max_side=lim.max_side, max_frames=lim.max_frames).items():
+        c.fail(name, message)
+    return got
+
+
+def _check_sampling(c: _Checker, steps: Any, guidance: Any, shift: Any, fps: Any, lim: Limits) -> None:
     if steps is not None:
         c.whole("steps", steps, 1, lim.max_steps,
                 f"a whole number of steps from 1{'' if lim.max_steps is None else f' to {lim.max_steps}'}")
@@ -397,12 +368,15 @@ def resolve_settings(prompt: Any, *, negative_prompt: Any = None,
                f"a number above 0{_bound(lim.max_shift)}")
     if fps is not None:
         c.real("fps", fps, lambda v: v > 0, "a frame rate above 0")
+
+
+def _check_runtime(c: _Checker, chosen: tuple[str, ...], fp4_scope: str, backend: str, device: str,
+                   dtype: str, models: WanModels | None) -> tuple[torch.device | None, torch.dtype | None, str]:
+    """fp4_scope, backend, device and dtype; returns (device, dtype, why that dtype)."""
     if fp4_scope not in FP4_SCOPES:
         c.fail("fp4_scope", f"one of {', '.join(FP4_SCOPES)}, got {fp4_scope!r}")
-    from .attention import BACKENDS
     if backend not in BACKENDS:
         c.fail("backend", f"one of {', '.join(BACKENDS)}, got {backend!r}")
-
     dev: torch.device | None = None
     dt: torch.dtype | None = None
     why = ""
@@ -425,68 +399,116 @@ def resolve_settings(prompt: Any, *, negative_prompt: Any = None,
         problem = _check_backend(backend, chosen, fp4_scope, dev, dt)
         if problem:
             c.fail("backend", problem)
+    return dev, dt, why
 
-    qat: str | None = None
+
+def _check_qat(c: _Checker, chosen: tuple[str, ...], info: ModelInfo, qat_transformer: Any,
+               models: WanModels | None) -> str | None:
+    """The fine-tuned transformer the chosen slots need (``attnqat``), or None."""
+    slot = next((m for m in chosen if registry.uses_finetuned(m)), None)
+    if slot is None:
+        return None
+    if models is not None:
+        if models.qat_info is None:
+            c.fail("methods", "Attn-QAT needs Attn-QAT weights and none are loaded: load them "
+                              "with --qat-transformer PATH (a diffusers transformer folder or a "
+                              ".safetensors file)")
+            return None
+        return models.qat_info["checkpoint"]
+    if qat_transformer is not None:
+        qp = Path(qat_transformer).expanduser()
+        if not qp.exists():
+            c.fail("qat_transformer", f"{qat_transformer} does not exist (expected a diffusers "
+                                      "transformer folder or a .safetensors file)")
+            return None
+        return str(qp.resolve())
+    if info.qat_transformer is not None:
+        if not info.qat_transformer.exists():
+            c.fail("qat_transformer", f"the model names an Attn-QAT transformer at "
+                                      f"{info.qat_transformer}, which does not exist; pass "
+                                      "--qat-transformer")
+            return None
+        return str(info.qat_transformer)
+    c.fail("methods", f"method {slot!r} needs Attn-QAT weights: pass --qat-transformer PATH "
+                      "(a diffusers transformer folder or a .safetensors file in the "
+                      f"diffusers, FastVideo or original Wan naming), or drop {slot} from "
+                      "the methods")
+    return None
+
+
+def resolve_settings(request: GenerationRequest | Any, *, models: WanModels | None = None,
+                     limits: Limits | None = None, **values: Any) -> tuple[GenerationSettings, ModelInfo]:
+    """Check a :class:`~attnqat.request.GenerationRequest` and fill defaults from the model, without
+    loading any weights.
+
+    The one validation of a generation: the CLI, the Python API and the app all go through it.
+    ``request`` may also be a prompt with the other fields as keywords (the older form).
+    Numbers may come as numbers or as text (``"42"``); integers must be whole (2.5 steps is an
+    error, not 2). None takes the model's default (:func:`attnqat.wan.model_info`): the embedded tiny
+    model gives 128×128, 33 frames, 16 fps, 20 steps, guidance 5, shift 3 and no negative prompt; a
+    real Wan 2.1 model 480×832, 81 frames, 16 fps, 50 steps, guidance 5, shift 3 below 720p and 5 at
+    720p, and Wan's own negative prompt. ``methods`` None takes every generation method of the
+    registry (:func:`attnqat.methods.generation`). ``seed`` −1 draws a seed when the generation runs.
+    Clip sizes follow the model family's rule (:meth:`attnqat.family.ModelFamily.clip_errors`).
+
+    ``models``, when given, are the already loaded models the generation will run on: their
+    device, dtype and Attn-QAT transformer are used and nothing is looked up again.
+
+    Raises:
+        InvalidInput: every invalid input at once, each with its field (in the request's field
+            order) and what is expected.
+        GenerationError: a request that cannot run as asked (its ``field`` says which input).
+    """
+    r = GenerationRequest.of(request, **values)
+    lim = limits or Limits()
+    c = _Checker()
     info: ModelInfo | None = models.info if models is not None else None
     if info is None:
         try:
-            info = model_info(model)
+            info = model_info(r.model if r.model is not None else DEFAULT_MODEL)
         except ModelLoadError as exc:
             c.fail("model", str(exc))
-    if "attnqat" in chosen and info is not None:
-        if models is not None:
-            if models.qat_info is None:
-                c.fail("methods", "Attn-QAT needs Attn-QAT weights and none are loaded: load them "
-                                  "with --qat-transformer PATH (a diffusers transformer folder or a "
-                                  ".safetensors file)")
-            else:
-                qat = models.qat_info["checkpoint"]
-        elif qat_transformer is not None:
-            qp = Path(qat_transformer).expanduser()
-            if not qp.exists():
-                c.fail("qat_transformer", f"{qat_transformer} does not exist (expected a diffusers "
-                                          "transformer folder or a .safetensors file)")
-            else:
-                qat = str(qp.resolve())
-        elif info.qat_transformer is not None:
-            if not info.qat_transformer.exists():
-                c.fail("qat_transformer", f"the model names an Attn-QAT transformer at "
-                                          f"{info.qat_transformer}, which does not exist; pass "
-                                          "--qat-transformer")
-            else:
-                qat = str(info.qat_transformer)
-        else:
-            c.fail("methods", "method 'attnqat' needs Attn-QAT weights: pass --qat-transformer PATH "
-                              "(a diffusers transformer folder or a .safetensors file in the "
-                              "diffusers, FastVideo or original Wan naming), or drop attnqat from "
-                              "the methods")
+    _check_text(c, r.prompt, r.negative_prompt, lim)
+    chosen: tuple[str, ...] = ()
+    try:
+        chosen = parse_methods(registry.generation() if r.methods is None else r.methods)
+    except GenerationError as exc:
+        c.fail("methods", exc.message)
+    seed_i = _whole(r.seed)
+    if seed_i is None or not (seed_i == -1 or 0 <= seed_i <= MAX_SEED):
+        c.fail("seed", f"an integer from 0 to 2^63−1 ({MAX_SEED}), or −1 for a random seed; "
+                       f"got {r.seed!r}")
+    hw = _check_clip(c, info.family if info is not None else WAN21_T2V, r.height, r.width, r.frames, lim)
+    _check_sampling(c, r.steps, r.guidance, r.shift, r.fps, lim)
+    dev, dt, why = _check_runtime(c, chosen, r.fp4_scope, r.backend, r.device, r.dtype, models)
+    qat = _check_qat(c, chosen, info, r.qat_transformer, models) if info is not None else None
     out_s = None
     try:
-        out_s = _check_out(out, overwrite)
+        out_s = _check_out(r.out, r.overwrite)
     except GenerationError as exc:
         c.fail("out", exc.message)
     if c.errors:
-        order = list(inspect.signature(resolve_settings).parameters)
+        order = list(GenerationRequest.field_names())
         raise InvalidInput(dict(sorted(c.errors.items(),
                                        key=lambda kv: order.index(kv[0]) if kv[0] in order else 99)))
 
     d = info.defaults
     h = int(hw.get("height") or d["height"])
     w = int(hw.get("width") or d["width"])
-    sh = _real(shift) if shift is not None else d.get("shift")
+    sh = _real(r.shift) if r.shift is not None else d.get("shift")
     settings = GenerationSettings(
-        prompt=prompt, negative_prompt=(negative_prompt if negative_prompt is not None
+        prompt=r.prompt, negative_prompt=(r.negative_prompt if r.negative_prompt is not None
                                         else d.get("negative_prompt", "")),
         methods=chosen, seed=seed_i,
-        steps=_whole(steps) if steps is not None else int(d["steps"]),
-        guidance=_real(guidance) if guidance is not None else float(d["guidance"]),
-        shift=float(sh) if sh is not None else default_shift(h, w), height=h, width=w,
-        frames=_whole(frames) if frames is not None else int(d["frames"]),
-        fps=_real(fps) if fps is not None else float(d["fps"]), model=info.source,
+        steps=_whole(r.steps) if r.steps is not None else int(d["steps"]),
+        guidance=_real(r.guidance) if r.guidance is not None else float(d["guidance"]),
+        shift=float(sh) if sh is not None else default_shift(h, w, info.family), height=h, width=w,
+        frames=_whole(r.frames) if r.frames is not None else int(d["frames"]),
+        fps=_real(r.fps) if r.fps is not None else float(d["fps"]), model=info.source,
         qat_transformer=qat, device=str(dev), dtype=dtype_name(dt), dtype_reason=why,
-        fp4_scope=fp4_scope, backend=backend,
-        offload=bool(models.offload if models is not None else offload), out=out_s,
-        overwrite=bool(overwrite),
+        fp4_scope=r.fp4_scope, backend=r.backend,
+        offload=bool(models.offload if models is not None else r.offload), out=out_s,
+        overwrite=bool(r.overwrite),
         max_sequence_length=int(d.get("max_sequence_length", MAX_SEQUENCE_LENGTH)))
     return settings, info
 
@@ -495,9 +517,9 @@ def method_label(method: str, qat_info: dict[str, Any] | None = None) -> str:
     """The name a method goes by: ``BF16``, ``NVFP4``, ``SageAttention3``; for ``attnqat`` the
     label of the loaded weights (``Attn-QAT fine-tuned`` or ``Attn-QAT (base weights copy — not
     fine-tuned)``, :func:`attnqat.wan.load_models`)."""
-    if method == "attnqat" and qat_info and qat_info.get("label"):
+    if method in registry.names() and registry.uses_finetuned(method) and qat_info and qat_info.get("label"):
         return str(qat_info["label"])
-    return METHOD_LABELS.get(method, method)
+    return registry.label(method)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -596,6 +618,77 @@ def decode(models: WanModels, latents: torch.Tensor) -> np.ndarray:
     return vid.to_uint8_frames(frames)
 
 
+def _run_slot(models: WanModels, settings: GenerationSettings, slot: str, pe, ne, lat0: torch.Tensor,
+              emit: Callable[..., None], *, t_text: float, progress: bool,
+              log: Callable[[str], None] | None) -> tuple[np.ndarray, MethodRecord]:
+    """Denoise and decode one generation slot; its frames and its record (without comparisons)."""
+    from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm.auto probes for notebooks: only when generating)
+
+    dev = models.device
+    transformer = models.transformer_for(slot)
+    attn_method = registry.slot_attention(slot)
+    proc = set_method(transformer, attn_method, fp4_scope=settings.fp4_scope,
+                      backend=settings.backend)
+    proc.reset_stats()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    bar = tqdm(total=settings.steps, desc=f"{slot:>7}", unit="step", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+
+    def stepped(i: int, slot: str = slot) -> None:
+        bar.update(1)
+        emit("denoising", slot, i + 1)
+
+    try:
+        emit("denoising", slot, 0)
+        with models.on_device(transformer):
+            _sync(dev)
+            t1 = time.perf_counter()
+            latents = denoise(transformer, models.pipe.scheduler, lat0, pe, ne, steps=settings.steps,
+                              guidance=settings.guidance, shift=settings.shift, device=dev,
+                              on_step=stepped)
+            _sync(dev)
+            t_denoise = time.perf_counter() - t1
+    finally:
+        bar.close()
+    stats = proc.stats()
+    emit("decoding", slot, settings.steps)
+    t2 = time.perf_counter()
+    frames = decode(models, latents)
+    _sync(dev)
+    t_decode = time.perf_counter() - t2
+    peak, peak_kind = _peak_memory(dev)
+    attn_s = stats["attention_s"]
+    timings = Timings(text_encoding_s=t_text, denoising_s=t_denoise, decoding_s=t_decode,
+                      attention_s=attn_s,
+                      attention_share_of_denoising=(attn_s / t_denoise) if attn_s is not None
+                      and t_denoise > 0 else None,
+                      total_s=t_denoise + t_decode)
+    record = MethodRecord(
+        label=method_label(slot, models.qat_info),
+        transformer="attnqat" if registry.uses_finetuned(slot) else "base", attention_method=attn_method,
+        timings=timings, attention_calls=stats["calls"],
+        transformer_calls=settings.transformer_calls_per_method, peak_memory_bytes=peak,
+        peak_memory_kind=peak_kind)
+    emit("done", slot, settings.steps, timings)
+    if log is not None:
+        log(f"{slot}: denoising {t_denoise:.2f} s (attention {attn_s:.2f} s), decoding {t_decode:.2f} s")
+    return frames, record
+
+
+def _compare_with_reference(videos: dict[str, np.ndarray], per_method: dict[str, MethodRecord]) -> None:
+    """PSNR and SSIM of every clip against the reference method's clip, when it ran."""
+    if registry.REFERENCE in videos:
+        ref = videos[registry.REFERENCE]
+        for slot, frames in videos.items():
+            if slot == registry.REFERENCE:
+                continue
+            p = vid.psnr(frames, ref)
+            per_method[slot].psnr = None if math.isinf(p) else p
+            per_method[slot].identical_to_bf16 = math.isinf(p)
+            per_method[slot].ssim = vid.ssim(frames, ref)
+
+
 def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bool = True,
                 log: Callable[[str], None] | None = None,
                 on_step: Callable[[StepEvent], None] | None = None) -> GenerationResult:
@@ -607,15 +700,13 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
 
     Returns a :class:`GenerationResult` whose ``record`` is complete except for file names.
     """
-    from tqdm.auto import tqdm
-
-    if "attnqat" in settings.methods and models.qat_transformer is None:
-        raise GenerationError("method 'attnqat' needs Attn-QAT weights, but none were loaded "
+    finetuned = [m for m in settings.methods if registry.uses_finetuned(m)]
+    if finetuned and models.qat_transformer is None:
+        raise GenerationError(f"method {finetuned[0]!r} needs Attn-QAT weights, but none were loaded "
                               "(pass --qat-transformer)", "methods")
     seed = settings.seed if settings.seed >= 0 else secrets.randbelow(RANDOM_SEED_BOUND)
     settings = replace(settings, seed=seed)
     dev = models.device
-    pipe = models.pipe
     started = time.perf_counter()
 
     def emit(phase: str, method: str | None, step: int, timings: Timings | None = None) -> None:
@@ -636,67 +727,11 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
     videos: dict[str, np.ndarray] = {}
     per_method: dict[str, MethodRecord] = {}
     for slot in settings.methods:
-        transformer = models.transformer_for(slot)
-        attn_method = SLOT_ATTENTION[slot]
-        proc = set_method(transformer, attn_method, fp4_scope=settings.fp4_scope,
-                          backend=settings.backend)
-        proc.reset_stats()
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        bar = tqdm(total=settings.steps, desc=f"{slot:>7}", unit="step", disable=not progress,
-                   file=sys.stderr, dynamic_ncols=True)
+        videos[slot], per_method[slot] = _run_slot(models, settings, slot, pe, ne, lat0, emit,
+                                                   t_text=t_text, progress=progress, log=log)
+    _compare_with_reference(videos, per_method)
 
-        def stepped(i: int, slot: str = slot) -> None:
-            bar.update(1)
-            emit("denoising", slot, i + 1)
-
-        try:
-            emit("denoising", slot, 0)
-            with models.on_device(transformer):
-                _sync(dev)
-                t1 = time.perf_counter()
-                latents = denoise(transformer, pipe.scheduler, lat0, pe, ne, steps=settings.steps,
-                                  guidance=settings.guidance, shift=settings.shift, device=dev,
-                                  on_step=stepped)
-                _sync(dev)
-                t_denoise = time.perf_counter() - t1
-        finally:
-            bar.close()
-        stats = proc.stats()
-        emit("decoding", slot, settings.steps)
-        t2 = time.perf_counter()
-        frames = decode(models, latents)
-        _sync(dev)
-        t_decode = time.perf_counter() - t2
-        peak, peak_kind = _peak_memory(dev)
-        videos[slot] = frames
-        attn_s = stats["attention_s"]
-        timings = Timings(text_encoding_s=t_text, denoising_s=t_denoise, decoding_s=t_decode,
-                          attention_s=attn_s,
-                          attention_share_of_denoising=(attn_s / t_denoise) if attn_s is not None
-                          and t_denoise > 0 else None,
-                          total_s=t_denoise + t_decode)
-        per_method[slot] = MethodRecord(
-            label=method_label(slot, models.qat_info),
-            transformer="attnqat" if slot == "attnqat" else "base", attention_method=attn_method,
-            timings=timings, attention_calls=stats["calls"],
-            transformer_calls=settings.transformer_calls_per_method, peak_memory_bytes=peak,
-            peak_memory_kind=peak_kind)
-        emit("done", slot, settings.steps, timings)
-        if log is not None:
-            log(f"{slot}: denoising {t_denoise:.2f} s (attention {attn_s:.2f} s), decoding {t_decode:.2f} s")
-
-    if "bf16" in videos:
-        ref = videos["bf16"]
-        for slot, frames in videos.items():
-            if slot == "bf16":
-                continue
-            p = vid.psnr(frames, ref)
-            per_method[slot].psnr = None if math.isinf(p) else p
-            per_method[slot].identical_to_bf16 = math.isinf(p)
-            per_method[slot].ssim = vid.ssim(frames, ref)
-
-    with_qat = "attnqat" in settings.methods and models.qat_info is not None
+    with_qat = bool(finetuned) and models.qat_info is not None
     record = GenerationRecord(
         prompt=settings.prompt, negative_prompt=settings.negative_prompt, seed=settings.seed,
         settings=settings.record(),
@@ -758,7 +793,7 @@ def write_outputs(result: GenerationResult, settings: GenerationSettings, out: s
             os.replace(tmp, out)
         else:
             # Replace the files of an earlier generation, including clips of methods not run now.
-            for slot in GENERATION_METHODS:
+            for slot in registry.generation():
                 stale = out / f"{slot}.mp4"
                 if slot not in result.videos and stale.is_file():
                     stale.unlink()
@@ -773,40 +808,18 @@ def write_outputs(result: GenerationResult, settings: GenerationSettings, out: s
     return out
 
 
-def generate(prompt: str, *, negative_prompt: str | None = None,
-             methods: str | Sequence[str] = GENERATION_METHODS, seed: int = -1,
-             steps: int | None = None, guidance: float | None = None, shift: float | None = None,
-             height: int | None = None, width: int | None = None, frames: int | None = None,
-             fps: float | None = None, model: str | Path = DEFAULT_MODEL,
-             qat_transformer: str | Path | None = None, device: str = "auto", dtype: str = "auto",
-             out: str | Path | None = None, fp4_scope: str = "self", backend: str = "auto",
-             offload: bool = False, overwrite: bool = False, progress: bool = True,
-             models: WanModels | None = None, log: Callable[[str], None] | None = None,
-             on_step: Callable[[StepEvent], None] | None = None) -> GenerationResult:
-    """Generate one clip per method from one prompt — the Python form of ``attnqat generate``.
+def generate(request: GenerationRequest | str, *, progress: bool = True, models: WanModels | None = None,
+             log: Callable[[str], None] | None = None, on_step: Callable[[StepEvent], None] | None = None,
+             **values: Any) -> GenerationResult:
+    """Generate one clip per method from one request — the Python form of ``attnqat generate``.
 
     Args:
-        prompt, negative_prompt: the text (negative prompt None: the model's default — none for
-            the tiny model, Wan's own for Wan 2.1).
-        methods: some of ``bf16``, ``nvfp4``, ``sage3``, ``attnqat`` (list or comma-separated).
-        seed: seed of the initial noise (shared by every method); −1 draws one (the record holds it).
-        steps, guidance, shift, height, width, frames, fps: sampling and clip settings; None takes
-            the model's default (:func:`resolve_settings`). diffusers calls them
+        request: a :class:`~attnqat.request.GenerationRequest` (prompt, methods, seed, sizes, model,
+            device, ``out``, ...: its fields are documented there and in :func:`resolve_settings`),
+            or a prompt with the request's other fields as keywords (``generate("a cat",
+            methods="bf16,nvfp4", steps=20)``). diffusers calls the sampling fields
             ``num_inference_steps``, ``guidance_scale``, ``flow_shift``, ``height``, ``width``,
             ``num_frames``.
-        model: local diffusers Wan folder or hub id (default: the embedded tiny model).
-        qat_transformer: Attn-QAT transformer (folder or .safetensors, any naming scheme); None
-            takes the one the model folder names (the tiny model has one).
-        device: ``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``.
-        dtype: compute dtype of the transformers and the text encoder: ``auto`` (what the device
-            runs natively: BF16 on CUDA and on CPUs with BF16 instructions, FP32 on other CPUs),
-            ``bfloat16`` or ``float32`` (:func:`attnqat.wan.resolve_dtype`). The ``bf16`` method is
-            attention without quantization in whichever dtype runs.
-        out: folder to write (None: write nothing, return the frames).
-        fp4_scope: ``self`` (cross-attention stays unquantized) or ``all``.
-        backend: attention backend (``auto`` | ``torch`` | ``triton``).
-        offload: keep models on the CPU, move each to the device while it runs.
-        overwrite: allow a non-empty ``out`` (only the files generate writes are replaced).
         progress: show a progress bar per method.
         models: already loaded :class:`~attnqat.wan.WanModels` to reuse (skips loading).
         log: called with one-line progress messages.
@@ -819,15 +832,11 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
     Raises:
         InvalidInput: invalid inputs, each named (before anything is loaded).
     """
-    if models is not None and qat_transformer is not None:
+    r = GenerationRequest.of(request, **values)
+    if models is not None and r.qat_transformer is not None:
         raise GenerationError("qat_transformer cannot be given with already loaded models; load it "
                               "with attnqat.wan.load_models(..., qat_transformer=...)", "qat_transformer")
-    settings, _info = resolve_settings(
-        prompt, negative_prompt=negative_prompt, methods=methods, seed=seed, steps=steps,
-        guidance=guidance, shift=shift, height=height, width=width, frames=frames, fps=fps,
-        model=model, qat_transformer=qat_transformer, device=device, dtype=dtype,
-        fp4_scope=fp4_scope, backend=backend, offload=offload, out=out, overwrite=overwrite,
-        models=models)
+    settings, _info = resolve_settings(r, models=models)
     if models is None:
         t0 = time.perf_counter()
         models = load_models(settings.model, qat_transformer=settings.qat_transformer,
@@ -841,7 +850,7 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
     return result
 
 
-__all__ = ["GENERATION_METHODS", "GenerationError", "GenerationResult", "GenerationSettings",
+__all__ = ["GENERATION_METHODS", "GenerationError", "GenerationRequest", "GenerationResult", "GenerationSettings",
            "InvalidInput", "Limits", "METHOD_LABELS", "MAX_SEED", "SLOT_ATTENTION", "StepEvent",
            "decode", "denoise", "encode_prompts", "generate", "initial_latents", "method_label",
            "parse_methods", "resolve_settings", "run_methods", "versions", "write_outputs"]

@@ -10,8 +10,11 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from .generate import GENERATION_METHODS, MAX_SEED
-from .wan import DTYPE_CHOICES
+from . import methods as registry
+from .convert import CheckpointError
+from .generate import MAX_SEED, GenerationError, InvalidInput, generate
+from .request import GenerationRequest
+from .wan import DEFAULT_MODEL, DTYPE_CHOICES, ModelLoadError
 
 
 def _default_out() -> str:
@@ -24,10 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--negative-prompt", default=None,
                         help="negative prompt for classifier-free guidance (None: the model's default "
                              "— none for the tiny model, Wan's own negative prompt for Wan 2.1)")
-    parser.add_argument("--methods", default=",".join(GENERATION_METHODS),
-                        help="comma-separated methods: bf16 (reference), nvfp4 (4-bit attention on "
-                             "the base model), sage3 (SageAttention3's recipe), attnqat (the Attn-QAT "
-                             "transformer with NVFP4 attention)")
+    offered = [registry.get(m) for m in registry.generation()]
+    parser.add_argument("--methods", default=",".join(m.name for m in offered),
+                        help="comma-separated methods: " + ", ".join(
+                            f"{m.name} ({m.label}: {m.description})" for m in offered))
     parser.add_argument("--seed", type=int, default=-1,
                         help=f"seed of the initial noise, shared by all methods: 0 to {MAX_SEED}, or -1 "
                              "for a random one (printed and recorded), as in the app")
@@ -88,8 +91,6 @@ def option(field: str | None) -> str:
 
 def error_lines(exc: Exception) -> list[str]:
     """One line per problem, each naming its option (``--frames: 4k+1 frames …``)."""
-    from .generate import GenerationError, InvalidInput
-
     if isinstance(exc, InvalidInput):
         return [f"{option(k)}: {v}" for k, v in exc.errors.items()]
     if isinstance(exc, GenerationError) and exc.field:
@@ -97,12 +98,17 @@ def error_lines(exc: Exception) -> list[str]:
     return [str(exc)]
 
 
+def request_from(args: argparse.Namespace) -> GenerationRequest:
+    """The :class:`~attnqat.request.GenerationRequest` of the parsed options: every option whose
+    name is a request field (``--fp4-scope`` → ``fp4_scope``), ``--out`` defaulting to a new folder."""
+    values = {name: getattr(args, name) for name in GenerationRequest.field_names() if hasattr(args, name)}
+    values["model"] = values.get("model") or DEFAULT_MODEL
+    values["out"] = values.get("out") or _default_out()
+    return GenerationRequest(**values)
+
+
 def run(args: argparse.Namespace) -> int:
     """Validate, load, generate, write; print a summary. Returns the exit code."""
-    from .convert import CheckpointError
-    from .generate import GenerationError, generate
-    from .wan import DEFAULT_MODEL, ModelLoadError
-
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
@@ -114,13 +120,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     try:
-        result = generate(
-            args.prompt, negative_prompt=args.negative_prompt, methods=args.methods, seed=args.seed,
-            steps=args.steps, guidance=args.guidance, shift=args.shift, height=args.height,
-            width=args.width, frames=args.frames, fps=args.fps, model=args.model or DEFAULT_MODEL,
-            qat_transformer=args.qat_transformer, device=args.device, dtype=args.dtype,
-            out=args.out or _default_out(), fp4_scope=args.fp4_scope, backend=args.backend,
-            offload=args.offload, overwrite=args.overwrite, progress=not args.no_progress, log=log)
+        result = generate(request_from(args), progress=not args.no_progress, log=log)
     except (GenerationError, ModelLoadError, CheckpointError) as exc:
         for line in error_lines(exc):
             print(f"attnqat generate: error: {line}", file=sys.stderr)

@@ -35,15 +35,14 @@ Packing: two codes per uint8, the first (even-index) element in the low nibble, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-BLOCK = 16
+from .kernels.formats import (BLOCK, E2M1_VALUES, NVFP4Tensor, e2m1_decode, pack_nibbles,  # noqa: F401
+                              unpack_nibbles)
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 E4M3_MIN_EXP = -6  # smallest normal exponent; the subnormal step is 2^(-6-3) = 2^-9
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Rounding thresholds of E2M1 round-to-nearest-even (the midpoints between neighbouring values).
 E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
@@ -83,13 +82,6 @@ def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
     idx = torch.where(a < 2.0, a * 2.0, torch.where(a < 4.0, a + 2.0, a * 0.5 + 4.0))
     code = idx.to(torch.uint8)
     return torch.where(torch.signbit(q), code | 0x8, code)
-
-
-def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    """float32 values of 4-bit E2M1 codes (uint8, 0..15)."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
-    mag = table[(code & 0x7).long()]
-    return torch.where((code & 0x8) != 0, -mag, mag)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,57 +139,6 @@ def fake_quantize_nvfp4(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     deq = q * scale.unsqueeze(-1)  # NaN scale → NaN block
     deq = deq.reshape(*deq.shape[:-2], -1)[..., :n]
     return deq.movedim(-1, dim).to(x.dtype)
-
-
-@dataclass
-class NVFP4Tensor:
-    """A tensor quantized to NVFP4 along one dimension.
-
-    ``codes``  uint8, packed two per byte along ``dim`` (low nibble first)
-    ``scales`` float8_e4m3fn (NaN for non-finite blocks)
-    Both keep the original tensor's axis order and sizes except along ``dim``, whose length
-    becomes ``padded_len // 2`` for the codes and ``padded_len // 16`` for the scales
-    (``padded_len``: the length of ``dim`` rounded up to a multiple of 16). Quantized along the
-    last axis, a row's codes are contiguous; quantized along another axis (V along tokens in
-    (batch, seq, heads, dim)), a byte holds two consecutive positions of that axis and the
-    other axes stay contiguous, the ``[K/2, N]`` right operand ``tl.dot_scaled`` takes.
-    ``shape`` and ``dim`` describe the original tensor; ``dim`` is non-negative.
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    shape: torch.Size
-    dim: int
-
-    def scales_float(self) -> torch.Tensor:
-        return self.scales.to(torch.float32)
-
-    def unpacked_codes(self) -> torch.Tensor:
-        """uint8 codes (0..15), the original shape with ``dim`` padded to ``padded_len``."""
-        return unpack_nibbles(self.codes.movedim(self.dim, -1)).movedim(-1, self.dim)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        vals = e2m1_decode(unpack_nibbles(self.codes.movedim(self.dim, -1)))
-        scales = self.scales_float().movedim(self.dim, -1)
-        vals = vals.reshape(*vals.shape[:-1], -1, BLOCK) * scales.unsqueeze(-1)
-        vals = vals.reshape(*vals.shape[:-2], -1)[..., : self.shape[self.dim]]
-        return vals.movedim(-1, self.dim).to(dtype)
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """Pack uint8 codes (0..15) along the last dimension (even length): element 2i in the low
-    nibble of byte i, element 2i+1 in the high nibble."""
-    if codes.shape[-1] % 2:
-        raise ValueError(f"the last dimension must be even to pack nibbles, got {codes.shape[-1]}")
-    c = codes.to(torch.uint8)
-    return c[..., 0::2] | (c[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_nibbles`."""
-    lo = packed & 0x0F
-    hi = packed >> 4
-    return torch.stack((lo, hi), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def quantize_nvfp4(x: torch.Tensor, dim: int = -1) -> NVFP4Tensor:

@@ -43,11 +43,15 @@ from typing import NamedTuple
 
 import torch
 
+from .kernels.formats import KV_TILE, SAGE_Q_BLOCK  # shared with the kernels, defined below both
 from .nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, e2m1_round, e4m3_round, fake_quantize_nvfp4
-
-KV_TILE = 128          # key-tile width that defines the running maximum of the nvfp4 forward
-SAGE_Q_BLOCK = 128     # query block over which sage3 subtracts the mean of Q
 SAGE_P_RANGE = E4M3_MAX * E2M1_MAX  # 2688: a row's running maximum maps here in sage3's level 1
+
+#: the two forward recipes :func:`fp4_forward` implements (the methods' names in the registry,
+#: :mod:`attnqat.methods`; ``attnqat`` and ``dropin`` use the ``nvfp4`` forward)
+NVFP4 = "nvfp4"
+SAGE3 = "sage3"
+RECIPES = (NVFP4, SAGE3)
 
 _FWD_BUDGET = 1 << 25   # float32 elements per (B, H, q_chunk, KV_TILE) temporary in the forward
 _BWD_BUDGET = 1 << 25   # float32 elements per (B, H, q_chunk, seq_kv) temporary in the backward
@@ -134,29 +138,30 @@ class FP4Forward(NamedTuple):
     vf: torch.Tensor
 
 
-def fp4_forward(q, k, v, scale: float, method: str = "nvfp4", *, quantize: bool = True,
+def fp4_forward(q, k, v, scale: float, method: str = NVFP4, *, quantize: bool = True,
                 need_o_prime: bool = False) -> FP4Forward:
     """Forward of the 4-bit methods on (B, H, S, D) tensors.
 
     ``quantize=False`` runs the same algorithm (tiling, smoothing) without any quantizer: it must
     equal exact attention, which the tests use to show the smoothing changes nothing by itself.
     """
-    if method not in ("nvfp4", "sage3"):
-        raise ValueError(f"fp4_forward handles 'nvfp4' and 'sage3', got {method!r}")
+    if method not in RECIPES:
+        raise ValueError(f"fp4_forward handles {' and '.join(map(repr, RECIPES))}, got {method!r}")
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     qmean = ks = None
-    if method == "sage3":
+    sage = method == SAGE3
+    if sage:
         q_in, qmean, k_in = sage3_smooth(q, k)
     else:
         q_in, k_in = q.float(), k.float()
     if quantize:
         qf, kf, vf = quantize_qkv(q_in, k_in, v)
-        quant_p = quantize_p_sage3 if method == "sage3" else quantize_p_nvfp4
+        quant_p = quantize_p_sage3 if sage else quantize_p_nvfp4
     else:
         qf, kf, vf = q_in, k_in, v.float()
         quant_p = None
-    if method == "sage3":
+    if sage:
         ks = k_in  # the correction q̄·K_sᵀ uses the unquantized smoothed K, in float32
 
     o = torch.empty(B, H, Sq, D, device=q.device, dtype=torch.float32)

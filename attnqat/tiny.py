@@ -35,19 +35,22 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Iterable
 
 import torch
 
+from . import sidecar as sc
+from .convert import param_dtype
+from .sidecar import SIDECAR  # noqa: F401  (the file name; callers read it from here too)
+
 # The package attnqat.assets wherever it is installed: the repository's assets/ in an editable
 # install, site-packages/attnqat/assets in a regular one.
 ASSETS_DIR = Path(str(resources.files("attnqat.assets"))).resolve()
 TINY_MODEL_DIR = ASSETS_DIR / "tiny-wan"
 TINY_QAT_DIR = ASSETS_DIR / "tiny-wan-qat"
-SIDECAR = "attnqat.json"
 
 PAD, EOS, UNK = "<pad>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, UNK)  # ids 0, 1, 2 as in UMT5
@@ -230,15 +233,13 @@ def _portable_tokenizer_class(folder: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
 def save_pipeline(pipe, out: str | Path, qat_out: str | Path | None = None, *,
-                  sidecar: dict, qat_sidecar: dict | None = None) -> tuple[Path, Path | None]:
+                  sidecar: sc.Sidecar | dict, qat_sidecar: sc.Sidecar | dict | None = None
+                  ) -> tuple[Path, Path | None]:
     """Save a tiny :class:`~diffusers.WanPipeline` (diffusers layout, safetensors) with its sidecar.
 
-    ``out`` receives the pipeline and ``sidecar`` as ``attnqat.json`` (``qat_transformer`` is added
+    ``out`` receives the pipeline and ``sidecar`` (a :class:`attnqat.sidecar.Sidecar`, or the dict
+    of an older caller) as ``attnqat.json`` (``qat_transformer`` is added
     when ``qat_out`` is given); ``qat_out`` (unless None) receives a copy of the pipeline's
     transformer with ``qat_sidecar``. The transformer and text encoder are stored in bfloat16 (the
     dtype they are loaded in), except the transformer's modules diffusers keeps in float32; the VAE
@@ -251,8 +252,6 @@ def save_pipeline(pipe, out: str | Path, qat_out: str | Path | None = None, *,
     import copy
 
     from diffusers import WanPipeline
-
-    from .convert import param_dtype
 
     out = Path(out).resolve()
     qat = Path(qat_out).resolve() if qat_out is not None else None
@@ -267,11 +266,11 @@ def save_pipeline(pipe, out: str | Path, qat_out: str | Path | None = None, *,
             p.data = p.data.float()
     pipe = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=text_encoder, vae=vae,
                        scheduler=pipe.scheduler, transformer=transformer)
-    sidecar = dict(sidecar)
+    sidecar = sc.Sidecar.from_dict(sidecar) if isinstance(sidecar, dict) else replace(sidecar)
     out.parent.mkdir(parents=True, exist_ok=True)
     if qat is not None:
         qat.parent.mkdir(parents=True, exist_ok=True)
-        sidecar["qat_transformer"] = Path(os.path.relpath(qat, out)).as_posix()
+        sidecar.qat_transformer = Path(os.path.relpath(qat, out)).as_posix()
     written: list[tuple[Path, Path]] = []
     try:
         tmp = Path(tempfile.mkdtemp(prefix=".tiny-wan-", dir=out.parent))
@@ -279,14 +278,14 @@ def save_pipeline(pipe, out: str | Path, qat_out: str | Path | None = None, *,
         written.append((tmp, out))
         pipe.save_pretrained(tmp, safe_serialization=True)
         _portable_tokenizer_class(tmp)
-        _write_json(tmp / SIDECAR, sidecar)
+        sc.write(tmp, sidecar)
         _chmod_files(tmp)
         if qat is not None:
             tmpq = Path(tempfile.mkdtemp(prefix=".tiny-wan-qat-", dir=qat.parent))
             _chmod_like_mkdir(tmpq)
             written.append((tmpq, qat))
             transformer.save_pretrained(tmpq, safe_serialization=True)
-            _write_json(tmpq / SIDECAR, dict(qat_sidecar or {}))
+            sc.write(tmpq, qat_sidecar if qat_sidecar is not None else sc.Sidecar(kind="tiny-wan-qat"))
             _chmod_files(tmpq)
     except BaseException:
         for tmp_dir, _ in written:
@@ -314,9 +313,8 @@ def save_tiny_assets(out: str | Path = TINY_MODEL_DIR, qat_out: str | Path | Non
     pipe = build_tiny_pipeline(seed, cfg)
     weights_note = (f"random initialization from seed {seed} (not trained); generated clips are "
                     "noise-like; the trained tiny model comes from `attnqat finetune tiny`")
-    sidecar = {"kind": "tiny-wan", "weights": "random-init", "seed": seed,
-               "weights_note": weights_note, "defaults": dict(cfg.defaults),
-               "config": config_dict(cfg)}
+    sidecar = sc.Sidecar(kind="tiny-wan", weights="random-init", seed=seed, weights_note=weights_note,
+                         defaults=dict(cfg.defaults), config=config_dict(cfg))
     return save_pipeline(pipe, out, qat_out, sidecar=sidecar,
                          qat_sidecar=copy_of_base_sidecar(seed))
 
@@ -326,15 +324,12 @@ def config_dict(cfg: TinyWanConfig) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k != "defaults"}
 
 
-def copy_of_base_sidecar(seed: int | None = None, note: str | None = None) -> dict:
+def copy_of_base_sidecar(seed: int | None = None, note: str | None = None) -> sc.Sidecar:
     """The ``attnqat.json`` of an Attn-QAT folder that holds a copy of the base transformer."""
-    side = {"kind": "tiny-wan-qat", "weights": "copy-of-base",
-            "qat_weights_note": note or ("copy of the base tiny transformer's weights: Attn-QAT "
-                                         "fine-tuning has not been run on it yet, so the attnqat "
-                                         "clip shows plain NVFP4 attention on the base model")}
-    if seed is not None:
-        side["seed"] = seed
-    return side
+    return sc.Sidecar(kind="tiny-wan-qat", weights="copy-of-base", seed=seed,
+                      qat_weights_note=note or ("copy of the base tiny transformer's weights: Attn-QAT "
+                                                "fine-tuning has not been run on it yet, so the attnqat "
+                                                "clip shows plain NVFP4 attention on the base model"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,9 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     targets = [args.out] + ([] if args.no_qat else [args.qat_out])
     for folder in targets:
-        side = Path(folder) / SIDECAR
-        if side.is_file() and not args.force:
-            weights = json.loads(side.read_text()).get("weights")
+        side = sc.read(folder)
+        if side is not None and not args.force:
+            weights = side.weights
             if weights not in (None, "random-init", "copy-of-base"):
                 parser.error(f"{folder} holds {weights} weights; pass --force to replace them with a "
                              "random initialization")

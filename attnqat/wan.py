@@ -30,33 +30,27 @@ import os
 import re
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
-from .attention import BACKENDS, METHODS, attention
+from . import methods as registry
+from .attention import BACKENDS, attention
+from .convert import load_wan_transformer
+from .family import WAN21_T2V, WAN_NEGATIVE_PROMPT, ModelFamily, by_pipeline_class, families
 from .reference import check_ablation
-from .tiny import SIDECAR, TINY_MODEL_DIR
+from . import sidecar as sc
+from .tiny import TINY_MODEL_DIR
 
 FP4_SCOPES = ("self", "all")
 _MAX_PENDING_EVENTS = 4096  # CUDA event pairs kept before they are summed (one sync per 4096 calls)
 DEFAULT_MODEL = str(TINY_MODEL_DIR)
 
-#: The negative prompt Wan 2.1's own text-to-video demo uses by default (its shared config's
-#: ``sample_neg_prompt``; in English: garish colours, overexposed, static, blurred details,
-#: subtitles, style, artwork, painting, still frame, overall grey, worst quality, low quality, JPEG
-#: artefacts, ugly, mutilated, extra fingers, badly drawn hands or faces, deformed, disfigured,
-#: malformed limbs, fused fingers, motionless picture, cluttered background, three legs, crowded
-#: background, walking backwards).
-WAN_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，"
-                       "低质量，JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，"
-                       "毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
-
-#: Generation defaults of the real Wan 2.1 text-to-video models (480p; shift 5 at 720p and above).
-WAN_DEFAULTS: dict[str, Any] = {"height": 480, "width": 832, "frames": 81, "fps": 16, "steps": 50,
-                                "guidance": 5.0, "shift": None, "negative_prompt": WAN_NEGATIVE_PROMPT}
+#: Generation defaults of the real Wan 2.1 text-to-video models (480p; shift 5 at 720p and above):
+#: the family's (:data:`attnqat.family.WAN21_T2V`)
+WAN_DEFAULTS: dict[str, Any] = dict(WAN21_T2V.defaults)
 
 
 class ModelLoadError(RuntimeError):
@@ -79,8 +73,7 @@ def _apply_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Ten
 
 
 def _check_method(method: str) -> None:
-    if method not in METHODS:
-        raise ValueError(f"unknown attention method {method!r}; expected one of {', '.join(METHODS)}")
+    registry.get(method)
 
 
 def _check_scope(scope: str) -> None:
@@ -97,7 +90,7 @@ class AttnQATProcessor:
     at any time (:func:`set_method`); the next call uses them.
 
     Args:
-        method: attention method for self-attention (one of :data:`attnqat.METHODS`).
+        method: attention method for self-attention (a name of :mod:`attnqat.methods`).
         fp4_scope: ``"self"`` — cross-attention runs ``bf16``; ``"all"`` — cross-attention runs
             ``method`` too.
         backend: passed to :func:`attnqat.attention` (``auto`` | ``torch`` | ``triton``) for the
@@ -139,7 +132,7 @@ class AttnQATProcessor:
         """The attention method a call of ``kind`` (``"self"`` or ``"cross"``) runs now."""
         if kind == "self" or self.fp4_scope == "all":
             return self.method
-        return "bf16"
+        return registry.REFERENCE
 
     def _fold_events(self) -> None:
         """Turn the recorded CUDA event pairs into seconds (one synchronization) and drop them."""
@@ -185,10 +178,12 @@ class AttnQATProcessor:
         return out
 
     def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str) -> torch.Tensor:
-        # plain attention has no Triton kernel: its calls (cross-attention under scope "self") run
-        # PyTorch SDPA whatever the backend, so backend="triton" means "Triton for the 4-bit calls"
-        backend = "auto" if method == "bf16" else self.backend
-        if self.ablation is not None and method == "attnqat":
+        # a method without a fused kernel (plain attention: cross-attention under scope "self") runs
+        # its PyTorch reference whatever the backend, so backend="triton" means "the kernels for the
+        # calls of methods that have them"
+        m = registry.get(method)
+        backend = "auto" if m.kernel is None else self.backend
+        if self.ablation is not None and self.ablation in m.ablations:
             return attention(q, k, v, method=method, backend=backend, ablation=self.ablation)
         return attention(q, k, v, method=method, backend=backend)
 
@@ -397,6 +392,7 @@ class ModelInfo:
     """What is known about a model before loading it.
 
     Attributes:
+        family: the model's family (:mod:`attnqat.family`) with the factors its configs declare.
         source: the ``--model`` value as given.
         path: the local folder, or None for a hub id.
         kind: ``"tiny-wan"`` for the embedded model (or one built like it), else ``"wan"``.
@@ -412,7 +408,8 @@ class ModelInfo:
     defaults: dict[str, Any]
     qat_transformer: Path | None = None
     weights_note: str | None = None
-    sidecar: dict[str, Any] = field(default_factory=dict)
+    sidecar: sc.Sidecar | None = None
+    family: ModelFamily = WAN21_T2V
 
 
 def model_info(model: str | Path = DEFAULT_MODEL) -> ModelInfo:
@@ -432,7 +429,7 @@ def model_info(model: str | Path = DEFAULT_MODEL) -> ModelInfo:
             raise ModelLoadError(f"model folder not found: {source} (expected a diffusers Wan 2.1 "
                                  "pipeline folder with a model_index.json, or a hub id such as "
                                  "Wan-AI/Wan2.1-T2V-1.3B-Diffusers)")
-        return ModelInfo(source=source, path=None, kind="wan", defaults=dict(WAN_DEFAULTS))
+        return ModelInfo(source=source, path=None, kind="wan", defaults=dict(WAN21_T2V.defaults))
     if not path.is_dir():
         raise ModelLoadError(f"--model must be a folder in diffusers format, got a file: {source}")
     index = path / "model_index.json"
@@ -442,29 +439,29 @@ def model_info(model: str | Path = DEFAULT_MODEL) -> ModelInfo:
         cls = json.loads(index.read_text()).get("_class_name")
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {index}: {exc}") from exc
-    if cls != "WanPipeline":
-        raise ModelLoadError(f"{source} holds a {cls!r}, expected a Wan text-to-video 'WanPipeline'")
-    sidecar: dict[str, Any] = {}
-    if (path / SIDECAR).is_file():
-        try:
-            sidecar = json.loads((path / SIDECAR).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"cannot read {path / SIDECAR}: {exc}") from exc
-    kind = sidecar.get("kind", "wan")
-    defaults = dict(WAN_DEFAULTS)
-    if kind != "wan":  # Wan's negative prompt is written for Wan's text encoder, not for others
+    fam = by_pipeline_class(cls)
+    if fam is None:
+        known = " or ".join(f"a {f.label} {f.pipeline_class!r}" for f in families())
+        raise ModelLoadError(f"{source} holds a {cls!r}, expected {known}")
+    fam = fam.with_configs(path)
+    try:
+        side = sc.read(path) or sc.Sidecar()
+    except sc.SidecarError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    defaults = dict(fam.defaults)
+    if side.kind != "wan":  # Wan's negative prompt is written for Wan's text encoder, not for others
         defaults["negative_prompt"] = ""
-    defaults.update(sidecar.get("defaults", {}))
-    qat = sidecar.get("qat_transformer")
-    return ModelInfo(source=source, path=path.resolve(), kind=kind,
+    defaults.update(side.defaults)
+    qat = side.qat_transformer
+    return ModelInfo(source=source, path=path.resolve(), kind=side.kind,
                      defaults=defaults,
                      qat_transformer=(path / qat).resolve() if qat else None,
-                     weights_note=sidecar.get("weights_note"), sidecar=sidecar)
+                     weights_note=side.weights_note, sidecar=side, family=fam)
 
 
-def default_shift(height: int, width: int) -> float:
-    """Wan 2.1's flow shift: 3 below 720p, 5 at 720p and above."""
-    return 5.0 if min(height, width) >= 720 else 3.0
+def default_shift(height: int, width: int, family: ModelFamily = WAN21_T2V) -> float:
+    """The family's flow shift for this size (Wan 2.1: 3 below 720p, 5 at 720p and above)."""
+    return family.shift_for(height, width)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -549,9 +546,9 @@ class WanModels:
 
     def transformer_for(self, slot: str):
         """The transformer a generation slot runs: the Attn-QAT one for ``attnqat``, else the base."""
-        if slot == "attnqat":
+        if registry.uses_finetuned(slot):
             if self.qat_transformer is None:
-                raise ValueError("method 'attnqat' needs an Attn-QAT transformer (--qat-transformer)")
+                raise ValueError(f"method {slot!r} needs an Attn-QAT transformer (--qat-transformer)")
             return self.qat_transformer
         return self.pipe.transformer
 
@@ -647,14 +644,12 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 QAT_LABEL_FINE_TUNED = "Attn-QAT fine-tuned"
 QAT_LABEL_BASE_COPY = "Attn-QAT (base weights copy — not fine-tuned)"
 #: ``weights`` of a transformer folder's ``attnqat.json`` as ``attnqat finetune export`` writes
-#: it, by the student attention it was fine-tuned with
-FINETUNED_WEIGHTS = {"attnqat": "attnqat-finetuned", "dropin": "dropin-finetuned",
-                     "bf16": "bf16-attention-finetuned"}
+#: it, by the student attention it was fine-tuned with (the built-in methods; the registry,
+#: :attr:`attnqat.methods.AttentionMethod.finetuned_weights`, has every method's)
+FINETUNED_WEIGHTS = {m.name: m.finetuned_weights for m in registry.all_methods() if m.trainable}
 #: labels of fine-tuned weights that are not Attn-QAT (loaded in the Attn-QAT slot, they say so)
-QAT_LABEL_NOT_ATTNQAT = {
-    "dropin-finetuned": "not Attn-QAT: fine-tuned with drop-in FP4 attention (the ablation)",
-    "bf16-attention-finetuned": "not Attn-QAT: fine-tuned with BF16 attention (the control)",
-}
+QAT_LABEL_NOT_ATTNQAT = {m.finetuned_weights: m.finetuned_label for m in registry.all_methods()
+                         if m.trainable and m.finetuned_label}
 
 
 def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Path | None = None,
@@ -679,8 +674,6 @@ def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Pat
         when identical to the base or when the folder says they are a copy of the base) and the
         name the method goes by (``label``).
     """
-    from .convert import load_wan_transformer
-
     info = model_info(model)
     dev = resolve_device(device)
     dt, why = resolve_dtype(dtype, dev)
@@ -708,8 +701,10 @@ def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Pat
         kind = ckpt.weights  # what the folder's attnqat.json says they are, if it says
         # weights without a record (e.g. a published checkpoint) count as Attn-QAT fine-tuned
         # when they differ from the base; a record that says otherwise is believed
-        fine_tuned = not identical and kind != "copy-of-base" and kind not in QAT_LABEL_NOT_ATTNQAT
-        label = (QAT_LABEL_NOT_ATTNQAT[kind] if not identical and kind in QAT_LABEL_NOT_ATTNQAT
+        trained_with = registry.by_finetuned_weights(kind)
+        not_attnqat = trained_with.finetuned_label if trained_with is not None else None
+        fine_tuned = not identical and kind != "copy-of-base" and not_attnqat is None
+        label = (not_attnqat if not identical and not_attnqat
                  else QAT_LABEL_FINE_TUNED if fine_tuned else QAT_LABEL_BASE_COPY)
         models.qat_transformer = qat
         models.qat_info = {"checkpoint": str(qat_path.resolve()), "scheme": ckpt.scheme,

@@ -20,6 +20,8 @@ import secrets
 import sys
 from pathlib import Path
 
+from attnqat import methods as registry
+
 from .media import MediaError
 from .sources import InputError, load_sources, methods_of, read_prompts, sample_prompts
 from .study import StudyConfig, add_margin_arguments, build_study, parse_pairs
@@ -36,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", default=None,
                         help="SQLAlchemy database URL (e.g. postgresql://user@host/db); if "
                              "omitted, the SQLite file OUT/study.db in WAL mode")
-    parser.add_argument("--reference", default="bf16",
+    parser.add_argument("--reference", default=registry.REFERENCE,
                         help="reference method; without --pairs every other method is compared "
                              "with it")
     parser.add_argument("--pairs", default=None,

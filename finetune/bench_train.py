@@ -28,9 +28,18 @@ from typing import Any
 
 import torch
 
-from .runlog import now
+from attnqat import methods as registry
+from attnqat import wan
+from attnqat.bench_wan import build_random_transformer, model_config, parse_resolution
+from attnqat.family import WAN21_T2V
+from attnqat.generate import versions
 
-METHODS = ("bf16", "attnqat", "dropin")
+from . import distributed
+from .runlog import now
+from .train import Trainer, TrainConfig, tokens_per_sample
+
+#: the trainable methods of the registry (the trainer's students)
+METHODS = registry.trainable()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def _published_attention(folder: Path):
     """Route the processor's ``attnqat`` calls to the published kernel (bench only)."""
-    from attnqat import wan
-    from attnqat.kernels.bench import published_attention
+    # the kernel benchmark module imports triton: only when the published kernel is asked for
+    from attnqat.kernels.bench import published_attention  # noqa: PLC0415
 
     published = published_attention(folder)
     real = wan.attention
@@ -75,10 +84,6 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
                  steps: int, warmup: int, checkpointing: bool, published: Path | None = None
                  ) -> dict[str, Any]:
     """Time the trainer's optimizer step for one student attention; returns one row."""
-    from attnqat.bench_wan import build_random_transformer
-
-    from .train import Trainer, TrainConfig, tokens_per_sample
-
     student = "attnqat" if method == "published" else method
     cfg = TrainConfig(out="", attention=student, batch_size=1, steps=10**6, lr=1e-6, warmup=0,
                       schedule="constant", weight_decay=0.01, grad_clip=1.0, ema=0.0,
@@ -137,10 +142,6 @@ def format_rows(rows: list[dict], world: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnqat.bench_wan import model_config, parse_resolution
-
-    from . import distributed
-
     def fail(msg: str) -> int:
         print(f"attnqat bench train: error: {msg}", file=sys.stderr)
         return 2
@@ -149,8 +150,11 @@ def run(args: argparse.Namespace) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         return fail(f"--methods must be some of {', '.join(METHODS)}, got {args.methods!r}")
-    if args.frames < 1 or (args.frames - 1) % 4 or args.steps < 1 or args.warmup < 0:
-        return fail("--frames must be 4k+1, --steps >= 1 and --warmup >= 0")
+    why = WAN21_T2V.frames_error(args.frames)
+    if why:
+        return fail(f"--frames: {why}")
+    if args.steps < 1 or args.warmup < 0:
+        return fail("--steps must be >= 1 and --warmup >= 0")
     try:
         _, h, w = parse_resolution(args.resolution)
     except ValueError as exc:
@@ -176,8 +180,6 @@ def run(args: argparse.Namespace) -> int:
                       f"{[round(x, 4) for x in row['losses']]}", file=sys.stderr, flush=True)
         if ctx.is_main:
             print(format_rows(rows, ctx.world))
-            from attnqat.generate import versions
-
             out = {"benchmark": "wan_transformer_training_step", "config": args.config,
                    "height": h, "width": w, "frames": args.frames, "batch_per_gpu": 1,
                    "gpus": ctx.world, "warmup": args.warmup, "steps": args.steps,

@@ -32,7 +32,12 @@ from pathlib import Path
 
 import torch
 
+from attnqat.family import WAN21_T2V, ModelFamily
+from attnqat.video import read_clip
+from attnqat.wan import DEFAULT_MODEL, ModelLoadError, model_info, resolve_device
+
 from .data import CACHE_MANIFEST, DataError, list_videos
+from .encode import Encoder, load_components, real_tokens
 from .runlog import now
 
 SETTINGS = ("model", "height", "width", "frames", "stride", "latent_dtype", "max_sequence_length")
@@ -72,15 +77,50 @@ def _save_shard(folder: Path, file: str, tensors: dict[str, torch.Tensor]) -> No
     os.replace(tmp, folder / file)
 
 
-def check_size(height: int, width: int, frames: int, stride: int = 1) -> None:
-    """Refuse sizes the VAE (×8 spatially, ×4 in time) and the 2×2 patches cannot take."""
-    if height <= 0 or width <= 0 or height % 16 or width % 16:
-        raise DataError(f"height and width must be positive multiples of 16 (the VAE downsamples "
-                        f"by 8 and the transformer patches 2 × 2), got {height} × {width}")
-    if frames < 1 or (frames - 1) % 4:
-        raise DataError(f"frames must be 4k+1 (the VAE compresses time by 4), got {frames}")
+def check_size(height: int, width: int, frames: int, stride: int = 1, family: ModelFamily = WAN21_T2V) -> None:
+    """Refuse sizes the model family's VAE and patches cannot take (Wan 2.1: multiples of 16,
+    4k+1 frames): :meth:`attnqat.family.ModelFamily.check_clip`'s one line."""
+    try:
+        family.check_clip(height, width, frames)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
     if stride < 1:
         raise DataError(f"stride must be >= 1, got {stride}")
+
+
+def _open_manifest(out: Path, settings: dict) -> dict:
+    """The manifest of the cache in ``out`` (a new one if there is none); an existing cache made with
+    other settings is refused."""
+    manifest_path = out / CACHE_MANIFEST
+    if manifest_path.is_file():
+        manifest = json.loads(manifest_path.read_text())
+        diff = [f"{k} {manifest.get(k)!r} (cache) vs {settings[k]!r} (now)" for k in SETTINGS
+                if manifest.get(k) != settings[k]]
+        if diff:
+            raise DataError(f"{out} is a cache made with other settings: {'; '.join(diff)}; use "
+                            "another --out or the same settings")
+        return manifest
+    out.mkdir(parents=True, exist_ok=True)
+    return {"version": 1, **settings, "created": now(), "shards": [], "skipped": []}
+
+
+def _flush(out: Path, manifest: dict, buf: list, store: torch.dtype) -> None:
+    """Write the buffered clips as the next shard, record it in the manifest, empty ``buf``."""
+    if not buf:
+        return
+    file = f"shard-{len(manifest['shards']):05d}.safetensors"
+    texts = [t for _, _, _, t in buf]
+    offsets = torch.tensor([0] + [t.shape[0] for t in texts]).cumsum(0)
+    _save_shard(out, file, {"latents": torch.stack([z for _, _, z, _ in buf]).to(store),
+                            "text": torch.cat(texts).to(torch.bfloat16),
+                            "text_offsets": offsets})
+    manifest["shards"].append({"file": file, "names": [n for n, _, _, _ in buf],
+                               "captions": [c for _, c, _, _ in buf]})
+    manifest["latent_shape"] = list(buf[0][2].shape)
+    manifest["text_dim"] = int(texts[0].shape[-1])
+    manifest["updated"] = now()
+    _write_json(out / CACHE_MANIFEST, manifest)
+    buf.clear()
 
 
 def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
@@ -96,17 +136,12 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
     """
     from tqdm.auto import tqdm
 
-    from attnqat.video import read_clip
-    from attnqat.wan import DEFAULT_MODEL, model_info, resolve_device
-
-    from .encode import Encoder, load_components, real_tokens
-
     model = model or DEFAULT_MODEL
     info = model_info(model)
     d = info.defaults
     height, width = height or d["height"], width or d["width"]
     frames = frames or d["frames"]
-    check_size(height, width, frames, stride)
+    check_size(height, width, frames, stride, info.family)
     if shard_size < 1:
         raise DataError(f"--shard-size must be >= 1, got {shard_size}")
     clips = list_videos(data)
@@ -115,16 +150,7 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
                 "stride": stride, "latent_dtype": latent_dtype,
                 "max_sequence_length": int(d.get("max_sequence_length", 512))}
     manifest_path = out / CACHE_MANIFEST
-    if manifest_path.is_file():
-        manifest = json.loads(manifest_path.read_text())
-        diff = [f"{k} {manifest.get(k)!r} (cache) vs {settings[k]!r} (now)" for k in SETTINGS
-                if manifest.get(k) != settings[k]]
-        if diff:
-            raise DataError(f"{out} is a cache made with other settings: {'; '.join(diff)}; use "
-                            "another --out or the same settings")
-    else:
-        out.mkdir(parents=True, exist_ok=True)
-        manifest = {"version": 1, **settings, "created": now(), "shards": [], "skipped": []}
+    manifest = _open_manifest(out, settings)
     done = {n for s in manifest["shards"] for n in s["names"]}
     todo = [c for c in clips if c[0] not in done]
     manifest["skipped"] = []
@@ -141,21 +167,7 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
     buf: list[tuple[str, str, torch.Tensor, torch.Tensor]] = []
 
     def flush() -> None:
-        if not buf:
-            return
-        file = f"shard-{len(manifest['shards']):05d}.safetensors"
-        texts = [t for _, _, _, t in buf]
-        offsets = torch.tensor([0] + [t.shape[0] for t in texts]).cumsum(0)
-        _save_shard(out, file, {"latents": torch.stack([z for _, _, z, _ in buf]).to(store),
-                                "text": torch.cat(texts).to(torch.bfloat16),
-                                "text_offsets": offsets})
-        manifest["shards"].append({"file": file, "names": [n for n, _, _, _ in buf],
-                                   "captions": [c for _, c, _, _ in buf]})
-        manifest["latent_shape"] = list(buf[0][2].shape)
-        manifest["text_dim"] = int(texts[0].shape[-1])
-        manifest["updated"] = now()
-        _write_json(manifest_path, manifest)
-        buf.clear()
+        _flush(out, manifest, buf, store)
 
     t0 = time.perf_counter()
     bar = tqdm(todo, desc="cache", unit="clip", disable=not progress, file=sys.stderr,
@@ -188,8 +200,6 @@ def build_cache(data: str | Path, out: str | Path, *, model: str | None = None,
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnqat.wan import ModelLoadError
-
     try:
         build_cache(args.data, args.out, model=args.model, height=args.height, width=args.width,
                     frames=args.frames, stride=args.stride, shard_size=args.shard_size,

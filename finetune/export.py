@@ -16,7 +16,6 @@ the run kept one; the default then), ``live`` the optimizer's weights.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -24,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from attnqat import methods as registry
+from attnqat import sidecar
 
 from . import checkpoint as ckpt
 from .runlog import now
@@ -56,11 +58,7 @@ def display_model(path: str | None) -> str | None:
 
 def note(training: dict) -> str:
     """The one-line ``qat_weights_note`` of an export's ``training`` record."""
-    what = {"attnqat": "Attn-QAT fine-tuned (4-bit attention in training, Attn-QAT backward)",
-            "dropin": "fine-tuned with drop-in 4-bit attention (4-bit forward, ordinary backward: "
-                      "the ablation, not Attn-QAT)",
-            "bf16": "fine-tuned with BF16 attention (the control: no quantization in training, "
-                    "not Attn-QAT)"}[training["attention"]]
+    what = registry.get(training["attention"]).finetuned_note
     if training.get("ablation"):
         what += f", ablation {training['ablation']}"
     start = display_model(training.get("start_weights")) or display_model(training["base_model"])
@@ -77,7 +75,6 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
 
     from attnqat.convert import param_dtype
     from attnqat.tiny import _chmod_files, _chmod_like_mkdir
-    from attnqat.wan import FINETUNED_WEIGHTS
 
     folder = ckpt.resolve(run, run)
     state = ckpt.read_state(folder)
@@ -105,10 +102,10 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
                          "batch": cfg["batch_size"] * cfg["grad_accum"] * state.get("world", 1),
                          "final_loss": state.get("loss"), "date": state.get("date"),
                          "weights": weights, "checkpoint": str(folder)}
-        record = {"kind": "attnqat-transformer", "weights": FINETUNED_WEIGHTS[cfg["attention"]],
-                  "qat_weights_note": note(training), "training": training,
-                  "exported": now()}
-        (tmp / "attnqat.json").write_text(json.dumps(record, indent=1) + "\n")
+        sidecar.write(tmp, sidecar.Sidecar(
+            kind="attnqat-transformer", weights=registry.get(cfg["attention"]).finetuned_weights,
+            qat_weights_note=note(training), training=training, exported=now(),
+            weights_sha256=sidecar.weights_sha256(tmp)))
         _chmod_like_mkdir(tmp)
         _chmod_files(tmp)
         if out.exists():
@@ -126,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError, KeyError) as exc:
         print(f"attnqat finetune export: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({json.loads((out / 'attnqat.json').read_text())['qat_weights_note']})")
+    print(f"wrote {out} ({sidecar.read(out).qat_weights_note})")
     return 0
 
 

@@ -52,7 +52,21 @@ from pathlib import Path
 
 import numpy as np
 
-from .runlog import device_name, now
+from attnqat import methods as registry
+from attnqat.convert import load_wan_transformer
+from attnqat.eval.stats import sign_test, wilson_interval
+from attnqat.family import for_folder as family_for
+from attnqat.tiny import TINY_MODEL_DIR, TINY_QAT_DIR
+from attnqat.wan import load_models
+
+from . import checkpoint as ckpt
+from . import heldout
+from . import train as T
+from .attn_probe import CAPTURE_STEPS, attention_errors
+from .export import export, note
+from .heldout import PROJECT_ROOT, PROTOCOL, PromptRangeError, check_prompt_range
+from .plot import plot_runs
+from .runlog import device_name, now, read_log
 
 STAGES = ("train", "eval", "probe", "report", "ship")
 #: run name → (student attention, ablation, label)
@@ -68,9 +82,7 @@ RUNS: dict[str, tuple[str, str | None, str]] = {
 RUN_OBJECTIVE: dict[str, str] = {"qad": "distill"}
 #: configuration → (weights: "base" or a run, attention at inference, label)
 CONFIGS: dict[str, tuple[str, str, str]] = {
-    "base-bf16": ("base", "bf16", "base, BF16 attention"),
-    "base-nvfp4": ("base", "nvfp4", "base, NVFP4 attention"),
-    "base-sage3": ("base", "sage3", "base, SageAttention3"),
+    **{f"base-{m}": ("base", m, f"base, {registry.label(m)} attention") for m in registry.inference()},
     "qat-nvfp4": ("attnqat", "nvfp4", "Attn-QAT, NVFP4 attention"),
     "qat-bf16": ("attnqat", "bf16", "Attn-QAT, BF16 attention"),
     "control-bf16": ("bf16", "bf16", "BF16 control, BF16 attention"),
@@ -82,10 +94,14 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
     "qad-bf16": ("qad", "bf16", "Attn-QAT (distill), BF16 attention"),
 }
 #: paired comparisons of the report (A, B): A's all-correct rate minus B's
+#: (the base model with each other 4-bit inference method of the registry is compared, as sage3 is, with
+#: base-bf16 and with qat-nvfp4)
+_OTHER_BASE = [f"base-{m}" for m in registry.inference() if registry.get(m).four_bit and m != "nvfp4"]
 PAIRS = (("qat-nvfp4", "base-bf16"), ("qat-nvfp4", "base-nvfp4"), ("qat-nvfp4", "control-nvfp4"),
          ("qat-nvfp4", "control-bf16"),
-         ("base-nvfp4", "base-bf16"), ("control-nvfp4", "base-bf16"), ("base-sage3", "base-bf16"),
-         ("qat-nvfp4", "base-sage3"), ("qat-nvfp4", "qat-bf16"), ("qat-bf16", "base-bf16"),
+         ("base-nvfp4", "base-bf16"), ("control-nvfp4", "base-bf16"),
+         *((c, p) for b in _OTHER_BASE for c, p in ((b, "base-bf16"), ("qat-nvfp4", b))),
+         ("qat-nvfp4", "qat-bf16"), ("qat-bf16", "base-bf16"),
          ("control-bf16", "base-bf16"), ("control-nvfp4", "control-bf16"),
          ("dropin-nvfp4", "base-bf16"), ("p2off-nvfp4", "base-bf16"), ("p1off-nvfp4", "base-bf16"),
          ("qad-nvfp4", "base-bf16"), ("qad-nvfp4", "base-nvfp4"), ("qad-nvfp4", "qat-nvfp4"),
@@ -98,7 +114,6 @@ ATTRS = ("colour", "shape", "motion")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from attnqat.tiny import TINY_MODEL_DIR, TINY_QAT_DIR
 
     parser.add_argument("--work", type=Path, default=Path("runs/repro"),
                         help="working folder: runs/, export/, eval/ (continued across calls)")
@@ -230,9 +245,6 @@ def train_args(args, name: str, seed: int | None = None) -> list[str]:
 
 
 def stage_train(args, runs: list[str]) -> int:
-    from . import checkpoint as ckpt
-    from . import train as T
-    from .export import export
 
     t0 = time.perf_counter()
     if args.start_from is not None:
@@ -352,9 +364,7 @@ def weights_sha256(args, models, key: str) -> dict[str, str]:
 
 
 def stage_eval(args, runs: list[str], configs: list[str]) -> int:
-    from attnqat.wan import load_models
 
-    from . import heldout
 
     folder = args.work / "eval"
     folder.mkdir(parents=True, exist_ok=True)
@@ -418,10 +428,7 @@ def stage_probe(args, runs: list[str]) -> int:
     """``WORK/probe.json``: :func:`attn_probe.attention_errors` of the base and of every run whose
     export exists, on the first ``--probe-prompts`` held-out prompts at the study's clip size
     (weight sets already in the file are kept)."""
-    from attnqat.wan import load_models
 
-    from . import heldout
-    from .attn_probe import CAPTURE_STEPS, attention_errors
 
     out = args.work / "probe.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -457,7 +464,6 @@ def _settings(inp) -> dict:
 
 def _transformer(args, models, weights: str):
     """The transformer of weight set ``weights``: the loaded base's, or a run's export."""
-    from attnqat.convert import load_wan_transformer
 
     if weights == "base":
         return models.pipe.transformer
@@ -481,7 +487,6 @@ def _bf16_reference(args, models, inp, key: str, transformer, sha: dict[str, str
     configuration's PSNR/SSIM is measured against; a run's: what its 4-bit clips are compared with),
     generated once per work folder, weights, model and prompt range and kept in ``WORK/cache``
     (``*.npy``, uint8), so that later calls and parallel eval processes load them."""
-    from . import heldout
 
     model = hashlib.sha1(str(Path(args.model).resolve()).encode()).hexdigest()[:8]
     s = inp.settings[0]
@@ -508,7 +513,6 @@ def _bf16_reference(args, models, inp, key: str, transformer, sha: dict[str, str
 
 
 def _rate(k: int, n: int) -> str:
-    from attnqat.eval.stats import wilson_interval
 
     lo, hi = wilson_interval(k, n)
     return f"{100 * k / n:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]"
@@ -541,7 +545,6 @@ def sign_flip_p(d, n_perm: int = 100000, seed: int = 0) -> float:
     difference each prompt's sign is a fair coin. Differences in {−1, 0, 1} (two 0/1 outcomes):
     exact, the binomial test of the discordant pairs (McNemar's exact test); otherwise
     ``n_perm`` random sign flips (the observed one counted)."""
-    from attnqat.eval.stats import sign_test
 
     d = np.asarray(d, dtype=float)
     d = d[d != 0]
@@ -692,8 +695,6 @@ def _label(c: str, recs: list[dict]) -> str:
 
 
 def stage_report(args, runs: list[str], command: str) -> int:
-    from .plot import plot_runs
-    from .runlog import read_log
 
     ev = load_evals(args.work)
     if "base-bf16" not in ev:
@@ -926,7 +927,6 @@ def stage_report(args, runs: list[str], command: str) -> int:
 def _protocol_link(doc: Path) -> str:
     """docs/repro/protocol.md as a Markdown link from ``doc`` when both lie in the project, else
     its path."""
-    from .heldout import PROJECT_ROOT, PROTOCOL
 
     proto = PROJECT_ROOT / PROTOCOL
     if Path(doc).resolve().is_relative_to(PROJECT_ROOT):
@@ -995,7 +995,6 @@ def stage_ship(args) -> int:
         rep = json.loads(report.read_text())
         record["evaluation"] = {"report": str(args.doc), "summaries": rep["summaries"],
                                 "pairs": rep["pairs"], "command": rep["command"]}
-    from .export import note
 
     record["qat_weights_note"] = (note(record["training"]) + "; the embedded model's Attn-QAT "
                                   f"weights, evaluated in {_shown(args.doc)}")
@@ -1071,12 +1070,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"attnqat repro: --seeds must be distinct non-negative integers, comma-separated, got "
               f"{args.seeds!r}", file=sys.stderr)
         return 2
-    if (args.size is not None and (args.size < 16 or args.size % 16)) or \
-            (args.frames is not None and (args.frames < 1 or (args.frames - 1) % 4)):
-        print(f"attnqat repro: --size must be a positive multiple of 16 and --frames 4k+1, got "
-              f"{args.size} and {args.frames}", file=sys.stderr)
+    try:
+        family_for(args.model).check_clip(args.size, args.size, args.frames,
+                                          names={"height": "--size", "width": "--size", "frames": "--frames"})
+    except ValueError as exc:
+        print(f"attnqat repro: {exc}", file=sys.stderr)
         return 2
-    from .heldout import PromptRangeError, check_prompt_range
 
     try:   # the evaluation discipline (docs/repro.md), before any work
         if "eval" in stages:

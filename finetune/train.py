@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from attnqat import methods as registry
+
 from . import checkpoint as ckpt
 from .data import DataError, DataOrder, LatentCache, loader, open_source, pad_text, sample_seed
 from .distributed import PRECISIONS, DistContext, all_max, all_sum, local
@@ -44,9 +46,10 @@ from .objective import (OBJECTIVES, SIGMA_SAMPLINGS, distill_target, flow_matchi
 from .runlog import RunLog, console_line, device_name, now
 from .schedule import EMA, SCHEDULES, lr_factor
 
-STUDENT_METHODS = ("attnqat", "dropin", "bf16")
+#: the built-in student attentions (live: :func:`attnqat.methods.trainable`)
+STUDENT_METHODS = registry.trainable()
 #: the attention a student deploys at inference (validation clips, generate, the app)
-DEPLOYED = {"attnqat": "nvfp4", "dropin": "nvfp4", "bf16": "bf16"}
+DEPLOYED = {m: registry.get(m).deploys_as for m in STUDENT_METHODS}
 EXIT_NONFINITE = 3
 EXIT_CRASH = 1
 
@@ -183,9 +186,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prompt embedding rows (Wan: 512) [model's]")
     g.add_argument("--workers", type=int, help="DataLoader workers decoding clips [2]")
     g = parser.add_argument_group("student attention")
-    g.add_argument("--attention", choices=STUDENT_METHODS,
-                   help="attnqat: 4-bit forward + Attn-QAT backward; dropin: 4-bit forward + "
-                        "ordinary backward (ablation); bf16: no quantization (control) [attnqat]")
+    g.add_argument("--attention", choices=registry.trainable(),
+                   help="; ".join(f"{m}: {registry.get(m).finetuned_note}" for m in registry.trainable())
+                   + " [attnqat]")
     g.add_argument("--scope", choices=("self", "all"),
                    help="4-bit self-attention only (cross-attention in BF16), or all [self]")
     g.add_argument("--backend", choices=("auto", "torch", "triton"),
@@ -339,7 +342,7 @@ def _validate(cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"--two-objects must be in [0, 1], got {cfg.two_objects}")
     if cfg.ema and not 0.0 < cfg.ema < 1.0:
         raise ValueError(f"--ema must be in (0, 1) or 0 (off), got {cfg.ema}")
-    choices = {"attention": STUDENT_METHODS, "scope": ("self", "all"),
+    choices = {"attention": registry.trainable(), "scope": ("self", "all"),
                "backend": ("auto", "torch", "triton"), "schedule": SCHEDULES,
                "sigma_sampling": SIGMA_SAMPLINGS, "precision": ("auto",) + PRECISIONS,
                "objective": OBJECTIVES}
@@ -350,8 +353,9 @@ def _validate(cfg: TrainConfig, world: int) -> None:
     if cfg.ablation is not None:
         if cfg.ablation not in ("d_from_o", "p_unquantized"):
             raise ValueError(f"unknown --ablation {cfg.ablation!r}; expected d_from_o or p_unquantized")
-        if cfg.attention != "attnqat":
-            raise ValueError("--ablation applies to --attention attnqat only")
+        if cfg.ablation not in registry.get(cfg.attention).ablations:
+            takers = " or ".join(registry.with_ablations())
+            raise ValueError(f"--ablation applies to --attention {takers} only")
         if cfg.backend == "triton":
             raise ValueError("--ablation runs on the PyTorch reference: use --backend torch or auto")
     if cfg.val_every and not cfg.val_prompts:
@@ -579,7 +583,7 @@ class Validator:
 
         model, dev = trainer.model, self.ctx.device
         method = trainer.proc.method
-        trainer.proc.method = DEPLOYED[self.cfg.attention]
+        trainer.proc.method = registry.get(self.cfg.attention).deploys_as
         model.eval()
         folder = Path(self.cfg.out) / "val" / f"step-{step:07d}"
         scores = []

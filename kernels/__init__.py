@@ -1,13 +1,14 @@
 """Triton kernels (installed as ``attnqat.kernels``).
 
-Contract with :func:`attnqat.attention` (backend ``"triton"`` / ``"auto"``):
+Entry points (:mod:`.api`, imported on first use of any of them):
 
 * ``triton_unsupported(q, k, v, method) -> str | None`` — None when the kernels can run these inputs,
   else a sentence saying why not (the caller falls back to the PyTorch reference of the same method).
 * ``triton_attention(q, k, v, method, softmax_scale) -> Tensor`` — (B, Sq, H, D) in q's dtype,
   differentiable for ``attnqat`` and ``dropin``.
 
-Modules: :mod:`.quantize` (NVFP4 quantize/pack), :mod:`.attention_fwd` (the fused 4-bit forward:
+Modules: :mod:`.formats` (what the kernels and the PyTorch reference share: tile sizes, the
+packed NVFP4 container; torch only), :mod:`.api` (the entry points), :mod:`.quantize` (NVFP4 quantize/pack), :mod:`.attention_fwd` (the fused 4-bit forward:
 ``nvfp4`` inference and the ``attnqat`` training forward with O'), :mod:`.attention_bwd` (the
 ``attnqat`` and ``dropin`` backward), :mod:`.gluon_fwd` (the ``nvfp4`` and ``sage3`` forwards
 hand-scheduled in Gluon for Hopper: what ``backend="auto"`` runs there), :mod:`.gluon_fwd_qat` (the
@@ -15,187 +16,33 @@ hand-scheduled in Gluon for Hopper: what ``backend="auto"`` runs there), :mod:`.
 backward's dK/dV and dQ kernels in Gluon for Hopper: same bits, likewise), :mod:`.sage3` (SageAttention3
 numerics), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
 
-Supported: CUDA tensors (or the Triton interpreter, ``TRITON_INTERPRET=1``, through
-:func:`triton_attention` directly), bfloat16 or float16, head_dim 64 or 128, any sequence lengths
-(self- and cross-attention), any strides of the (batch, seq, heads, head_dim) views.
+Imports point one way: the rest of the project imports this package, never the reverse (the
+shared definitions live in :mod:`.formats`, below both).
 """
 
 from __future__ import annotations
 
-import math
+import importlib
 
-import torch
+_API = ("triton_unsupported", "triton_attention", "quantize_nvfp4", "fake_quantize_nvfp4", "METHODS",
+        "TRAINABLE", "HEAD_DIMS", "DTYPES", "interpreting", "nvfp4_forward",
+        "fp4_training_attention")
 
-from attnqat import reference as _ref
-
-from . import gluon_fwd, gluon_fwd_qat, sage3
-from .attention_bwd import attention_backward
-from .attention_fwd import P_NVFP4, attention_forward
-from .gluon_fwd import check_schedule, choose_schedule
-from .quantize import INTERPRET, fake_quantize_nvfp4, quantize_nvfp4
-
-__all__ = ["triton_unsupported", "triton_attention", "quantize_nvfp4", "fake_quantize_nvfp4",
-           "METHODS", "HEAD_DIMS", "DTYPES"]
-
-METHODS = ("nvfp4", "sage3", "attnqat", "dropin")
-HEAD_DIMS = (64, 128)
-DTYPES = (torch.bfloat16, torch.float16)
-
-if _ref.KV_TILE != 128:  # pragma: no cover - guards the definition shared with the reference
-    raise ImportError(f"the kernels quantize P against 128-key tiles, the reference uses {_ref.KV_TILE}")
+__all__ = list(_API)
 
 
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``, read at
-    import, as the kernels read it)."""
-    return bool(INTERPRET.value)
+def __getattr__(name: str):
+    """Resolve the entry points and submodules on first use (PEP 562).
 
-
-def _why_not(q, k, v, method: str, allow_cpu: bool) -> str | None:
-    if method not in METHODS:
-        return (f"method {method!r} has no Triton kernel (kernels exist for {', '.join(METHODS)}; "
-                "'bf16' runs PyTorch SDPA)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
-        if t.dim() != 4:
-            return f"{name} must be (batch, seq, heads, head_dim), got shape {tuple(t.shape)}"
-        if t.dtype not in DTYPES:
-            return f"{name} is {t.dtype}; the kernels take bfloat16 or float16"
-        if t.device.type != "cuda" and not (allow_cpu and t.device.type == "cpu"):
-            return f"{name} is on {t.device.type}; the kernels need CUDA tensors"
-    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-        return "q, k, v must share one dtype and one device"
-    if q.shape[0] != k.shape[0] or k.shape[0] != v.shape[0] or q.shape[2] != k.shape[2] or k.shape[2] != v.shape[2]:
-        return f"batch or head counts differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if k.shape[1] != v.shape[1]:
-        return f"k and v lengths differ: {k.shape[1]} and {v.shape[1]}"
-    if not (q.shape[3] == k.shape[3] == v.shape[3]):
-        return f"head_dim differs: q {q.shape[3]}, k {k.shape[3]}, v {v.shape[3]}"
-    if q.shape[3] not in HEAD_DIMS:
-        return f"head_dim {q.shape[3]} is not supported (the kernels take {' or '.join(map(str, HEAD_DIMS))})"
-    if min(q.shape) == 0 or min(k.shape) == 0:
-        return f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}"
-    return None
-
-
-def triton_unsupported(q, k, v, method: str) -> str | None:
-    """None when :func:`triton_attention` can run these inputs, else why not (one sentence)."""
-    return _why_not(q, k, v, method, allow_cpu=False)
-
-
-def _default_formulation(device: torch.device) -> int:
-    """0: dequantized operands (fastest on Hopper, docs/kernels_notes.md); 2: ``tl.dot_scaled``
-    on GPUs with FP4 tensor cores (compute capability 10 and up)."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10:
-        return 2
-    return 0
-
-
-def nvfp4_forward(q, k, v, sm_scale: float, formulation: int | None = None, config=None,
-                  schedule: str | None = None):
-    """``nvfp4`` inference forward on (B, S, H, D) inputs, quantization included.
-    ``schedule`` (formulation 0 only): ``"gluon"`` | ``"triton"`` | None (:func:`.gluon_fwd.choose_schedule`)."""
-    check_schedule(schedule)   # here too: formulations 1 and 2 never reach choose_schedule
-    f = _default_formulation(q.device) if formulation is None else formulation
-    if f not in (0, 1, 2):
-        raise ValueError(f"formulation must be 0, 1 or 2, got {formulation!r}")
-    if f == 2 and not (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] >= 10):
-        # Triton 3.6 rejects E4M3 block-16 scales in its Hopper emulation of tl.dot_scaled (the
-        # compiler aborts); the interpreter decodes every scale as E8M0 (docs/kernels_notes.md)
-        raise ValueError("formulation 2 (tl.dot_scaled with NVFP4 operands) needs FP4 tensor cores "
-                         "(compute capability 10 or newer); use 0 or 1 here")
-    if f == 0:
-        qf = fake_quantize_nvfp4(q, -1)
-        kf = fake_quantize_nvfp4(k, -1)
-        vf = fake_quantize_nvfp4(v, 1)
-        if choose_schedule(qf, kf, vf, schedule, config) == "gluon":
-            return gluon_fwd.gluon_attention_forward(qf, kf, vf, sm_scale=sm_scale)
-        o, _, _, _ = attention_forward(qf, kf, vf, sm_scale=sm_scale, p_mode=P_NVFP4, config=config)
-    else:
-        if schedule == "gluon":
-            raise ValueError(f"the Gluon nvfp4 forward implements formulation 0 only, not {f}")
-        packed = (quantize_nvfp4(q, -1), quantize_nvfp4(k, -1), quantize_nvfp4(v, 1))
-        o, _, _, _ = attention_forward(q, k, v, sm_scale=sm_scale, p_mode=P_NVFP4, packed=packed,
-                                       formulation=f, config=config)
-    return o
-
-
-class FP4TrainingAttention(torch.autograd.Function):
-    """``attnqat`` / ``dropin`` on the fused kernels, (B, S, H, D) in and out.
-
-    Saved for the backward — attnqat: Qᶠ, Kᶠ, Vᶠ (dequantized, exact in the input dtype), O' (float32),
-    and the row log-sum-exp and maximum; dropin: Q, K, V, the FP4 O (float32) and the log-sum-exp.
+    Lazy on purpose: :mod:`attnqat.nvfp4` imports :mod:`.formats` at every ``import attnqat``, and
+    the entry points import triton and compile-time kernel definitions (0.3 s, and 1.6–2.5 s while
+    other work ran, measured on the 2-core CI machine, 2026-11-26, after ``import attnqat``), which CPU-only commands would pay for nothing.
     """
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale: float, method: str, config=None, schedule=None):
-        attnqat = method == "attnqat"
-        qf = fake_quantize_nvfp4(q, -1)
-        kf = fake_quantize_nvfp4(k, -1)
-        vf = fake_quantize_nvfp4(v, 1)
-        fwd_config = (config or {}).get("fwd")
-        if attnqat and gluon_fwd_qat.choose_qat_schedule(qf, kf, vf, schedule, fwd_config) == "gluon":
-            o, o2, lse2, m2 = gluon_fwd_qat.gluon_attnqat_forward(qf, kf, vf, sm_scale=scale)
-        else:
-            # dropin's D = rowsum(dO ∘ O) takes O in float32, as attnqat's takes O' (float32)
-            o, o2, lse2, m2 = attention_forward(qf, kf, vf, sm_scale=scale, p_mode=P_NVFP4, need_o2=attnqat,
-                                                store_stats=True, out_dtype=None if attnqat else torch.float32,
-                                                config=fwd_config)
-        if attnqat:
-            ctx.save_for_backward(qf, kf, vf, o2, lse2, m2)
-        else:
-            del qf, kf, vf
-            ctx.save_for_backward(q, k, v, o, lse2)
-            o = o.to(q.dtype)
-        ctx.scale, ctx.method, ctx.config, ctx.schedule = scale, method, (config or {}).get("bwd"), schedule
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        if ctx.method == "attnqat":
-            qf, kf, vf, o2, lse2, m2 = ctx.saved_tensors
-            dq, dk, dv = attention_backward(qf, kf, vf, o2, do, lse2, m2, sm_scale=ctx.scale, quant_p=True,
-                                            config=ctx.config, schedule=ctx.schedule)
-        else:
-            q, k, v, o, lse2 = ctx.saved_tensors
-            dq, dk, dv = attention_backward(q, k, v, o, do, lse2, None, sm_scale=ctx.scale, quant_p=False,
-                                            config=ctx.config, schedule=ctx.schedule)
-        return dq, dk, dv, None, None, None, None
-
-
-def triton_attention(q, k, v, method: str = "nvfp4", softmax_scale: float | None = None, *,
-                     formulation: int | None = None, config: dict | None = None,
-                     schedule: str | None = None) -> torch.Tensor:
-    """4-bit attention on the fused kernels. (B, Sq, H, D) in q's dtype.
-
-    Raises ``ValueError`` naming the reason for inputs the kernels do not take (see
-    :func:`triton_unsupported`; CPU tensors are accepted only under the Triton interpreter), and
-    ``RuntimeError`` when gradients are requested from an inference-only method.
-    ``formulation`` (nvfp4 only): 0 dequantized bfloat16 operands, 1 packed operands dequantized in
-    registers, 2 ``tl.dot_scaled``; default: the fastest on this GPU. ``config``: tile overrides.
-    ``schedule`` (nvfp4 formulation 0, sage3, attnqat, dropin): ``"gluon"`` the hand-scheduled Hopper
-    kernels, ``"triton"`` the Triton kernels; default: Gluon wherever it takes the inputs (faster on
-    an H100; nvfp4, attnqat and dropin: the same bits; sage3: the same arithmetic, its correction row
-    added by the tensor cores; the attnqat forward and the dQ kernel at head_dim 128 only, where
-    they measured faster: :data:`.gluon_fwd_qat.AUTO_HEAD_DIMS`, :data:`.gluon_bwd.DQ_AUTO_HEAD_DIMS`).
-    attnqat: the forward (O, O', statistics) and the backward's dK/dV and dQ kernels; dropin: the
-    backward's two kernels (its forward, with a float32 O, has no Gluon version and is always the
-    Triton kernel).
-    """
-    check_schedule(schedule)
-    why = _why_not(q, k, v, method, allow_cpu=interpreting())
-    if why is not None:
-        raise ValueError(f"attnqat.kernels.triton_attention cannot run method {method!r}: {why}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    if method in ("nvfp4", "sage3"):
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            raise RuntimeError(f"method {method!r} is inference-only and has no backward; use 'attnqat' "
-                               "(Attn-QAT training) or 'dropin' (the ablation) to train with 4-bit attention, "
-                               "or run under torch.no_grad()")
-        if method == "nvfp4":
-            return nvfp4_forward(q, k, v, scale, formulation=formulation, config=config, schedule=schedule)
-        return sage3.sage3_forward(q, k, v, scale, config=config, schedule=schedule)
-    return FP4TrainingAttention.apply(q, k, v, scale, method, config, schedule)
+    if name in _API:
+        return getattr(importlib.import_module(".api", __name__), name)
+    try:
+        return importlib.import_module(f".{name}", __name__)
+    except ModuleNotFoundError as exc:
+        if exc.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

@@ -19,23 +19,26 @@ import time
 
 import torch
 
+from .api import METHODS as KERNEL_METHODS
+from .api import TRAINABLE as KERNEL_TRAINABLE
+
 WAN_SHAPES = {
     "wan1.3b-480p": dict(B=1, H=12, Sq=32760, Skv=32760, D=128),
     "wan14b-480p": dict(B=1, H=40, Sq=32760, Skv=32760, D=128),
     "wan1.3b-720p": dict(B=1, H=12, Sq=75600, Skv=75600, D=128),
     "wan-cross": dict(B=1, H=12, Sq=32760, Skv=512, D=128),
 }
-METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "nvfp4-triton", "nvfp4-gluon", "sage3", "sage3-triton",
-           "sage3-gluon", "attnqat", "attnqat-triton", "attnqat-gluon", "dropin", "dropin-triton", "dropin-gluon")
-# ``nvfp4``, ``sage3``, ``attnqat`` and ``dropin`` are what ``backend="auto"`` runs (the Gluon kernels on
-# Hopper where they measured faster); ``*-triton`` forces the Triton kernels and ``*-gluon`` the Gluon ones
-# (forward and backward), so one run shows what the Gluon schedules buy and whether auto's choice at a shape
-# is the faster one. ``published`` (with ``--published-kernel DIR``) is the published Attn-QAT Triton
-# training kernel, for scale.
+SDPA = ("sdpa-cudnn", "sdpa-flash")
+_SCHEDULES = ("", "-triton", "-gluon")
+METHODS = SDPA + tuple(f"{m}{s}" for m in KERNEL_METHODS for s in _SCHEDULES)
+# The kernels' methods (``nvfp4``, ``attnqat``, ...: :data:`.api.METHODS`) are what ``backend="auto"``
+# runs (the Gluon kernels on Hopper where they measured faster); ``*-triton`` forces the Triton kernels
+# and ``*-gluon`` the Gluon ones (forward and backward), so one run shows what the Gluon schedules buy and
+# whether auto's choice at a shape is the faster one. ``published`` (with ``--published-kernel DIR``) is
+# the published Attn-QAT Triton training kernel, for scale.
 #: methods timed forward + backward too (``dropin`` only so: its forward is attnqat's without O')
-BACKWARD_METHODS = ("sdpa-cudnn", "sdpa-flash", "attnqat", "attnqat-triton", "attnqat-gluon", "dropin",
-                    "dropin-triton", "dropin-gluon", "published")
-DEFAULT_METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "sage3", "attnqat", "dropin")
+BACKWARD_METHODS = SDPA + tuple(f"{m}{s}" for m in KERNEL_TRAINABLE for s in _SCHEDULES) + ("published",)
+DEFAULT_METHODS = SDPA + KERNEL_METHODS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,7 +157,7 @@ def published_attention(folder):
 
 
 def _method_fn(method: str, published: str | None = None):
-    from attnqat import kernels  # noqa: PLC0415
+    from attnqat import kernels  # noqa: PLC0415  (this package: its entry points, patchable in tests)
 
     if method.startswith("sdpa"):
         return _sdpa(method)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnqat.nvfp4 import NVFP4Tensor
+from .formats import NVFP4Tensor
 
 # Triton's interpreter (TRITON_INTERPRET=1) runs the kernels on the CPU; inline PTX is replaced there.
 INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))

@@ -19,14 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from attnqat import reference as ref
-
 from . import gluon_fwd
 from .attention_fwd import P_SAGE3, attention_forward, mma
+from .formats import SAGE_Q_BLOCK
 from .gluon_fwd import check_schedule, choose_schedule
 from .quantize import fake_quantize_nvfp4
-
-SAGE_Q_BLOCK = ref.SAGE_Q_BLOCK
 
 
 @triton.jit

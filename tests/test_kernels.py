@@ -313,6 +313,15 @@ def test_attnqat_and_dropin_backwards_differ():
     assert rel_error(dv["attnqat"], dv["dropin"]) > 1e-3
 
 
+@pytest.mark.parametrize("method", ["attnqat", "dropin"])
+def test_the_training_op_is_registered_with_a_fake_that_matches(method):
+    """torch.compile meets ``attnqat::triton_fp4_train_forward``: its schema and its fake
+    implementation (shapes, dtypes, strides of all seven outputs) agree with the kernels' outputs."""
+    q, k, v = make_qkv(Sq=40, Skv=24, H=2, seed=5)
+    torch.library.opcheck(torch.ops.attnqat.triton_fp4_train_forward.default,
+                          (q, k, v, 0.125, method, None, None), test_utils=("test_schema", "test_faketensor"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Boundaries: what the kernels refuse, and how
 # ---------------------------------------------------------------------------------------------
