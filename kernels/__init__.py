@@ -13,7 +13,8 @@ Modules: :mod:`.quantize` (NVFP4 quantize/pack), :mod:`.attention_fwd` (the fuse
 hand-scheduled in Gluon for Hopper: what ``backend="auto"`` runs there), :mod:`.gluon_fwd_qat` (the
 ``attnqat`` training forward in Gluon, likewise), :mod:`.gluon_bwd` (the
 backward's dK/dV and dQ kernels in Gluon for Hopper: same bits, likewise), :mod:`.sage3` (SageAttention3
-numerics), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
+numerics), :mod:`.sagebwd` (``sagebwd``, trainable INT8 attention: its own entry point
+:func:`sagebwd_attention`, not yet behind :func:`triton_attention`), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
 
 Supported: CUDA tensors (or the Triton interpreter, ``TRITON_INTERPRET=1``, through
 :func:`triton_attention` directly), bfloat16 or float16, head_dim 64 or 128, any sequence lengths
@@ -33,9 +34,10 @@ from .attention_bwd import attention_backward
 from .attention_fwd import P_NVFP4, attention_forward
 from .gluon_fwd import check_schedule, choose_schedule
 from .quantize import INTERPRET, fake_quantize_nvfp4, quantize_nvfp4
+from .sagebwd import sagebwd_attention, sagebwd_unsupported
 
 __all__ = ["triton_unsupported", "triton_attention", "quantize_nvfp4", "fake_quantize_nvfp4",
-           "METHODS", "HEAD_DIMS", "DTYPES"]
+           "METHODS", "HEAD_DIMS", "DTYPES", "sagebwd_attention", "sagebwd_unsupported"]
 
 METHODS = ("nvfp4", "sage3", "attnqat", "dropin")
 HEAD_DIMS = (64, 128)

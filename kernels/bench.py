@@ -26,16 +26,17 @@ WAN_SHAPES = {
     "wan-cross": dict(B=1, H=12, Sq=32760, Skv=512, D=128),
 }
 METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "nvfp4-triton", "nvfp4-gluon", "sage3", "sage3-triton",
-           "sage3-gluon", "attnqat", "attnqat-triton", "attnqat-gluon", "dropin", "dropin-triton", "dropin-gluon")
+           "sage3-gluon", "attnqat", "attnqat-triton", "attnqat-gluon", "dropin", "dropin-triton", "dropin-gluon",
+           "sagebwd")
 # ``nvfp4``, ``sage3``, ``attnqat`` and ``dropin`` are what ``backend="auto"`` runs (the Gluon kernels on
 # Hopper where they measured faster); ``*-triton`` forces the Triton kernels and ``*-gluon`` the Gluon ones
 # (forward and backward), so one run shows what the Gluon schedules buy and whether auto's choice at a shape
 # is the faster one. ``published`` (with ``--published-kernel DIR``) is the published Attn-QAT Triton
-# training kernel, for scale.
+# training kernel, for scale. ``sagebwd`` is the INT8 trainable attention (:mod:`.sagebwd`, Triton only).
 #: methods timed forward + backward too (``dropin`` only so: its forward is attnqat's without O')
 BACKWARD_METHODS = ("sdpa-cudnn", "sdpa-flash", "attnqat", "attnqat-triton", "attnqat-gluon", "dropin",
-                    "dropin-triton", "dropin-gluon", "published")
-DEFAULT_METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "sage3", "attnqat", "dropin")
+                    "dropin-triton", "dropin-gluon", "published", "sagebwd")
+DEFAULT_METHODS = ("sdpa-cudnn", "sdpa-flash", "nvfp4", "sage3", "attnqat", "dropin", "sagebwd")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,6 +161,8 @@ def _method_fn(method: str, published: str | None = None):
         return _sdpa(method)
     if method == "published":
         return published_attention(published)
+    if method == "sagebwd":
+        return lambda q, k, v: kernels.sagebwd_attention(q, k, v)
     base, _, schedule = method.partition("-")
     return lambda q, k, v: kernels.triton_attention(q, k, v, method=base, schedule=schedule or None)
 

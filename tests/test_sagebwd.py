@@ -251,3 +251,19 @@ def test_kernels_refuse_bad_input(bad, match):
         ks.sagebwd_attention(*bad(q, k, v))
     with pytest.raises(ValueError, match="softmax_scale"):
         ks.sagebwd_attention(q, k, v, softmax_scale=-1.0)
+
+
+def test_accuracy_bench_per_tensor_rows(tmp_path, capsys):
+    from attnqat import cli
+
+    out = tmp_path / "acc.json"
+    assert cli.main(["bench", "accuracy", "--seq", "200", "--heads", "1", "--head-dim", "64", "--methods", "nvfp4",
+                     "--sagebwd", "--json", str(out)]) == 0
+    assert "sagebwd (INT8" in capsys.readouterr().out
+    import json
+    rows = json.loads(out.read_text())["sagebwd_tensors"]
+    names = {r["tensor"] for r in rows}
+    assert names == {"P", "O", "dS", "dQ", "dK", "dV", "dQ (no smoothing correction)"}
+    for r in rows:
+        if r["input"] == "random":
+            assert 0.99 < r["cosine"] < 1.0 and 1e-3 < r["rel_l2"] < 0.1, r
