@@ -22,9 +22,10 @@ Definition (every block size is part of it; the kernels use the same tiles):
   ``D = rowsum(dO ∘ O)`` with O the forward's output in float32 (the "high-precision O": before its
   rounding to the input dtype); ``dP = dO · Vᵀ`` in 16 bits (dO and the unquantized V in the input
   dtype, float32 accumulation); ``dS = P ∘ (dP − D)``.
-  - ``dV = Pᵀ dO`` in INT8: P per key column over :data:`BWD_BLOCK` queries (the column block's
-    maximum), dO per :data:`BWD_BLOCK` queries × head_dim.
-  - dS per :data:`BWD_BLOCK` × :data:`BWD_BLOCK` block (one scale per block, shared by both products).
+  - ``dV = Pᵀ dO`` in INT8: P per key column over :data:`BWD_BLOCK_Q` queries (the column block's
+    maximum), dO per :data:`BWD_BLOCK_Q` queries × head_dim.
+  - dS per :data:`BWD_BLOCK_Q` queries × :data:`BWD_BLOCK_K` keys (one scale per block, shared by both
+    products).
   - ``dK = scale · dSᵀ Q`` (INT8: dS blocks, Q's forward codes and scales).
   - ``dQ = scale · (dS K_s + rowsum(dS) ⊗ k̄)``: the INT8 product uses the smoothed K's forward codes,
     and the smoothing correction adds back the mean k̄ through the float32 row sums of the
@@ -40,7 +41,8 @@ import torch
 
 Q_BLOCK = 128    # queries per Q scale (and per forward query tile)
 K_BLOCK = 128    # keys per K and V scale; the forward's key tile that defines the running maximum
-BWD_BLOCK = 64   # backward: dO per 64 queries; P per key over 64 queries; dS per 64×64 block
+BWD_BLOCK_Q = 128  # backward: dO per 128 queries; P per key over 128 queries; dS per 128 queries ×
+BWD_BLOCK_K = 64   # 64 keys (the kernels' backward tiles: dK/dV 64 keys × 128 queries, dQ 128 × 64)
 QMAX = 127.0
 LOG2E = 1.4426950408889634
 
@@ -203,29 +205,26 @@ def backward(fwd: Forward, q, k, v, do, scale: float, collect: dict | None = Non
     o = _pad_seq(fwd.o, Q_BLOCK)
     delta = (do_f * o).sum(-1, keepdim=True)
     lse2 = _pad_seq(fwd.lse2, Q_BLOCK, float("inf"))[..., None]
-    do8, sdo = quantize_blocks(_bhsd(do).float(), BWD_BLOCK)
-    do8 = _pad_seq(do8, Q_BLOCK)
-    sdo = _pad_seq(sdo[..., None], Q_BLOCK // BWD_BLOCK)[..., 0]
+    do8, sdo = quantize_blocks(_bhsd(do).float(), BWD_BLOCK_Q)
     vv = _pad_seq(_bhsd(v), K_BLOCK).to(do.dtype).float()   # dP's 16-bit V
     do16 = _pad_seq(_bhsd(do), Q_BLOCK).float()
-    sq_b = qt.sq.repeat_interleave(Q_BLOCK // BWD_BLOCK, dim=2)       # per 64-query block
     dq = torch.zeros(B, H, Sqp, D, device=q.device)
     dk = torch.zeros(B, H, Skp, D, device=q.device)
     dv = torch.zeros(B, H, Skp, D, device=q.device)
     rs = torch.zeros(B, H, Sqp, 1, device=q.device)
-    nb = BWD_BLOCK
+    nq_, nk_ = BWD_BLOCK_Q, BWD_BLOCK_K
     if collect is not None:
         dsfull = torch.zeros(B, H, Sqp, Skp, device=q.device)
     chunk = max(Q_BLOCK, _BUDGET // max(1, B * H * K_BLOCK) // Q_BLOCK * Q_BLOCK)
     for q0, q1 in _chunks(Sqp, chunk):
         C = q1 - q0
-        nq = C // nb
+        nq = C // nq_
         q8c = qt.q8[:, :, q0:q1].float()
         sqc = _row_scales(qt, q0, q1)
-        q8b = q8c.view(B, H, nq, nb, D)
-        do8b = do8[:, :, q0:q1].float().view(B, H, nq, nb, D)
-        sdo_c = sdo[:, :, q0 // nb:q1 // nb]
-        sq_c = sq_b[:, :, q0 // nb:q1 // nb]
+        q8b = q8c.view(B, H, nq, nq_, D)
+        do8b = do8[:, :, q0:q1].float().view(B, H, nq, nq_, D)
+        sdo_c = sdo[:, :, q0 // nq_:q1 // nq_]
+        sq_c = qt.sq[:, :, q0 // Q_BLOCK:q1 // Q_BLOCK]
         for k0 in range(0, Skp, K_BLOCK):
             k1 = k0 + K_BLOCK
             t = _t_tile(q8c, sqc, qt, k0, k1, Skv, qk)
@@ -233,22 +232,22 @@ def backward(fwd: Forward, q, k, v, do, scale: float, collect: dict | None = Non
             dp = do16[:, :, q0:q1] @ vv[:, :, k0:k1].transpose(-1, -2)
             ds = p * (dp - delta[:, :, q0:q1])
             rs[:, :, q0:q1] += ds.sum(-1, keepdim=True)
-            # dV = Pᵀ dO: P per key column over 64 queries, dO per 64 queries
-            pb = p.view(B, H, nq, nb, K_BLOCK)
+            # dV = Pᵀ dO: P per key column over BWD_BLOCK_Q queries, dO per BWD_BLOCK_Q queries
+            pb = p.view(B, H, nq, nq_, K_BLOCK)
             pc, sp = int8_codes(pb, pb.amax(dim=3, keepdim=True))            # sp (B,H,nq,1,K)
             prod = torch.einsum("bhnqk,bhnqd->bhnkd", pc, do8b)
             dv[:, :, k0:k1] += (prod * (sp[:, :, :, 0, :, None] * sdo_c[..., None, None])).sum(2)
-            # dS per 64×64 block
-            dsb = ds.view(B, H, nq, nb, K_BLOCK // nb, nb)
+            # dS per BWD_BLOCK_Q × BWD_BLOCK_K block
+            dsb = ds.view(B, H, nq, nq_, K_BLOCK // nk_, nk_)
             dc, sds = int8_codes(dsb, dsb.abs().amax(dim=(3, 5), keepdim=True))  # sds (B,H,nq,1,kb,1)
             sds = sds[:, :, :, 0, :, 0]                                        # (B,H,nq,kb)
             sk = qt.sk[:, :, k0 // K_BLOCK][:, :, None, None]
-            for kb in range(K_BLOCK // nb):
-                c = dc[:, :, :, :, kb, :]                                      # (B,H,nq,64q,64k)
-                ks = slice(k0 + kb * nb, k0 + (kb + 1) * nb)
+            for kb in range(K_BLOCK // nk_):
+                c = dc[:, :, :, :, kb, :]                                      # (B,H,nq,128q,64k)
+                ks = slice(k0 + kb * nk_, k0 + (kb + 1) * nk_)
                 dkp = torch.einsum("bhnqk,bhnqd->bhnkd", c, q8b)
                 dk[:, :, ks] += (dkp * (sds[:, :, :, kb] * sq_c)[..., None, None]).sum(2)
-                dqp = c @ qt.k8[:, :, ks].float()[:, :, None]                   # (B,H,nq,64q,D)
+                dqp = c @ qt.k8[:, :, ks].float()[:, :, None]                   # (B,H,nq,128q,D)
                 dq[:, :, q0:q1] += (dqp * (sds[:, :, :, kb, None, None] * sk[..., None])).reshape(B, H, C, D)
             if collect is not None:
                 dsfull[:, :, q0:q1, k0:k1] = (dc * sds[:, :, :, None, :, None]).reshape(B, H, C, K_BLOCK)

@@ -11,8 +11,8 @@ computes the same quantities with the same tiles:
   are zero-padded to a multiple of 128, so the kernels' INT8 loads need no masks.
 * :func:`_fwd_kernel` — S = Q·Kᵀ (int8 → int32), online softmax over 128-key tiles, P̃ codes
   ``rne(127·exp2(t − rowmax_tile))``, O += s_P·s_V·(P̃·V) (int8 → int32).
-* :func:`_dkdv_kernel` (one program per 64 keys, looping over 64-query tiles) and :func:`_dq_kernel`
-  (one program per 64 queries, looping over 64-key tiles): S recomputed bit for bit, dP = dO·Vᵀ in
+* :func:`_dkdv_kernel` (one program per 64 keys, looping over 128-query tiles) and :func:`_dq_kernel`
+  (one program per 128 queries, looping over 64-key tiles): S recomputed bit for bit, dP = dO·Vᵀ in
   16 bits, dS = P ∘ (dP − D); dV = Pᵀ·dO, dK = dSᵀ·Q, dQ = dS·K in int8 → int32.
 
 Exact against the reference: the codes and scales of Q, K (smoothed), V and dO, and t = S·scale·log2e
@@ -37,8 +37,8 @@ LOG2E = 1.4426950408889634
 PAD = 128            # token axes of the INT8 copies are padded to this
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (x + M) − M rounds |x| < 2^22 to the nearest integer, ties to even
 
-if (_ref.Q_BLOCK, _ref.K_BLOCK, _ref.BWD_BLOCK) != (128, 128, 64):  # pragma: no cover
-    raise ImportError("kernels/sagebwd.py tiles assume Q_BLOCK = K_BLOCK = 128 and BWD_BLOCK = 64")
+if (_ref.Q_BLOCK, _ref.K_BLOCK, _ref.BWD_BLOCK_Q, _ref.BWD_BLOCK_K) != (128, 128, 128, 64):  # pragma: no cover
+    raise ImportError("kernels/sagebwd.py tiles assume Q_BLOCK = K_BLOCK = BWD_BLOCK_Q = 128, BWD_BLOCK_K = 64")
 
 
 LOG2_127 = tl.constexpr(6.988684686772166)
@@ -270,7 +270,8 @@ def _dkdv_kernel(Q8, Q8T, SQ, K8, SK, V, DO, DO8T, SDO, LSE2, DELTA, DK, DV,
                  svb, svs, svh, svd, sdb, sds_, sdh, sdd, sob, sos, soh, sod,
                  H, Sq, Skv, Sqp, Skp, qk, sm_scale,
                  D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """Grid (Skp/BN, B·H), BM = BN = 64. dK, dV (B, Skv, H, D) in DK's dtype."""
+    """Grid (Skp/BN, B·H), BN = 64 keys, BM = 128 queries per step (one dS block of the definition).
+    dK, dV (B, Skv, H, D) in DK's dtype."""
     start_n = tl.program_id(0) * BN
     bh = tl.program_id(1)
     b = bh // H
@@ -334,7 +335,8 @@ def _dq_kernel(Q8, SQ, K8, K8T, SK, KMEAN, V, DO, LSE2, DELTA, DQ,
                svb, svs, svh, svd, sdb, sds_, sdh, sdd, sob, sos, soh, sod,
                H, Sq, Skv, Sqp, Skp, qk, sm_scale,
                D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CORRECTION: tl.constexpr):
-    """Grid (Sqp/BM, B·H), BM = BN = 64. dQ (B, Sq, H, D) in DQ's dtype. CORRECTION: add
+    """Grid (Sqp/BM, B·H), BM = 128 queries, BN = 64 keys per step (one dS block of the
+    definition). dQ (B, Sq, H, D) in DQ's dtype. CORRECTION: add
     rowsum(dS) ⊗ k̄ (the smoothing correction)."""
     start_m = tl.program_id(0) * BM
     bh = tl.program_id(1)
@@ -371,8 +373,11 @@ def _dq_kernel(Q8, SQ, K8, K8T, SK, KMEAN, V, DO, LSE2, DELTA, DQ,
     tl.store(DQ + off, cast(dq, DQ.dtype.element_ty), mask=q_ok[:, None])
 
 
-DKDV_CONFIG = dict(num_warps=8, num_stages=2)   # 4 warps spill (sm_90 SASS: 84 STL)
-DQ_CONFIG = dict(num_warps=4, num_stages=2)
+# sm_90 SASS of the main loops (triton 3.6 wheel here, compiled without a GPU), instructions per
+# thread per 64×64 of S: dK/dV 64×64 tiles 4 warps 1,298 with 84 spill stores, 8 warps 975; 64 keys ×
+# 128 queries, 8 warps: 754 (11 spill stores); dQ 64×64 4 warps 797, 128×64 8 warps 385.
+DKDV_CONFIG = dict(num_warps=8, num_stages=2)
+DQ_CONFIG = dict(num_warps=8, num_stages=2)
 
 
 def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_correction: bool = True):
@@ -381,7 +386,7 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
     Sqp, Skp = _padded(Sq), _padded(Skv)
-    _, do8t, sdo, delta = quantize(do, 64, normal=False, transposed=True, o32=o32)
+    _, do8t, sdo, delta = quantize(do, 128, normal=False, transposed=True, o32=o32)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -390,14 +395,14 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
         cfg[key].update(val)
     qk = float(scale) * LOG2E
     s = state
-    _dkdv_kernel[(Skp // 64, B * H)](
+    _dkdv_kernel[(Skp // 64, B * H)](   # 64 keys per program, 128-query steps: one dS block per step
         s["q8"], s["q8t"], s["sq"], s["k8"], s["sk"], v, do, do8t, sdo, s["lse2"], delta, dk, dv,
         *v.stride(), *do.stride(), *dk.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),
-        D=D, BM=64, BN=64, **cfg["dkdv"])
-    _dq_kernel[(Sqp // 64, B * H)](
+        D=D, BM=128, BN=64, **cfg["dkdv"])
+    _dq_kernel[(Sqp // 128, B * H)](    # 128 queries per program, 64-key steps: one dS block per step
         s["q8"], s["sq"], s["k8"], s["k8t"], s["sk"], s["kmean"], v, do, s["lse2"], delta, dq,
         *v.stride(), *do.stride(), *dq.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),
-        D=D, BM=64, BN=64, CORRECTION=smoothing_correction, **cfg["dq"])
+        D=D, BM=128, BN=64, CORRECTION=smoothing_correction, **cfg["dq"])
     return dq, dk, dv
 
 

@@ -155,7 +155,7 @@ def test_reference_smoothing_correction_is_the_unsmoothed_gradient():
     ds = p * (dp - (bhsd(do) * fwd.o).sum(-1, keepdim=True))
     corr = 0.125 * ds.sum(-1, keepdim=True) * fwd.quant.kmean[:, :, None, :]
     assert torch.allclose(sb._bhsd(with_c - without), corr, atol=1e-6, rtol=1e-4)
-    assert rel_error(col["ds"], ds) < 0.02          # dS as quantized per 64×64 block
+    assert rel_error(col["ds"], ds) < 0.05          # dS as quantized per 128×64 block
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,10 +203,9 @@ def test_kernels_match_reference(shape, outliers):
     assert (st["lse2"][:, :, :Sq] - fwd.lse2).abs().max() < 1e-3
     assert torch.all(st["lse2"][:, :, Sq:] == float("inf"))
     # dO quantization pass and D
-    _, do8t, sdo, delta = ks.quantize(do, 64, normal=False, transposed=True, o32=o)
-    do8, sdo_ref = sb.quantize_blocks(bhsd(do), 64)
-    assert torch.equal(do8t[..., :do8.shape[2]], do8.transpose(2, 3)) and torch.all(do8t[..., do8.shape[2]:] == 0)
-    assert torch.equal(sdo[..., :sdo_ref.shape[2]], sdo_ref)
+    _, do8t, sdo, delta = ks.quantize(do, sb.BWD_BLOCK_Q, normal=False, transposed=True, o32=o)
+    do8, sdo_ref = sb.quantize_blocks(bhsd(do), sb.BWD_BLOCK_Q)
+    assert torch.equal(do8t, do8.transpose(2, 3)) and torch.equal(sdo, sdo_ref)
     assert rel_error(delta[:, :, :Sq], (bhsd(do) * sb._bhsd(o)).sum(-1)) < 1e-5
     # gradients
     dq, dk, dv = ks.backward(q, k, v, o, do, st, scale)
