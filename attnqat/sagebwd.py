@@ -70,7 +70,8 @@ def int8_codes(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
     # torch.div of two tensors (``127.0 / t`` would be 127 · (1/t), rounded twice)
     inv = torch.where(amax > 0, torch.div(torch.full_like(safe, QMAX), safe), torch.zeros_like(amax))
-    return torch.round(x * inv), amax / QMAX
+    # the scale too: a CUDA tensor divided by a Python number is multiplied by its reciprocal
+    return torch.round(x * inv), torch.div(amax, torch.full_like(amax, QMAX))
 
 
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -376,7 +376,7 @@ def _dq_kernel(Q8, SQ, K8, K8T, SK, KMEAN, V, DO, LSE2, DELTA, DQ,
 # sm_90 SASS of the main loops (triton 3.6 wheel here, compiled without a GPU), instructions per
 # thread per 64×64 of S: dK/dV 64×64 tiles 4 warps 1,298 with 84 spill stores, 8 warps 975; 64 keys ×
 # 128 queries, 8 warps: 754 (11 spill stores); dQ 64×64 4 warps 797, 128×64 8 warps 385.
-DKDV_CONFIG = dict(num_warps=8, num_stages=2)
+DKDV_CONFIG = dict(num_warps=8, num_stages=1)   # 2 stages need 354 KB of shared memory (sm_90 limit 227 KB)
 DQ_CONFIG = dict(num_warps=8, num_stages=2)
 
 
