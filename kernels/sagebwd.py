@@ -196,7 +196,10 @@ def _fwd_kernel(Q8, SQ, K8, SK, V8T, SV, O, LSE2, T,
         tl.store(LSE2 + bh64 * Sqp + offs_m, tl.where(ok, m_i + tl.log2(l_i), float("inf")))
 
 
-FWD_CONFIG = dict(BM=128, num_warps=8, num_stages=3)
+# H200, Wan 1.3B 480p, 2026-11-26 (kernels/sagebwd_bench.py --variants): 128 queries / 8 warps / 3 stages
+# 11.66 ms, 2 stages 12.24, 4 stages 11.51; 4 warps 19.0-19.7; 64 queries / 4 warps / 2 stages 11.02,
+# 3 stages 10.38 (the Q scale block stays 128 queries: a 64-query program reads its block's scale)
+FWD_CONFIG = dict(BM=64, num_warps=4, num_stages=3)
 
 
 class Saved(tuple):
@@ -376,8 +379,10 @@ def _dq_kernel(Q8, SQ, K8, K8T, SK, KMEAN, V, DO, LSE2, DELTA, DQ,
 # sm_90 SASS of the main loops (triton 3.6 wheel here, compiled without a GPU), instructions per
 # thread per 64×64 of S: dK/dV 64×64 tiles 4 warps 1,298 with 84 spill stores, 8 warps 975; 64 keys ×
 # 128 queries, 8 warps: 754 (11 spill stores); dQ 64×64 4 warps 797, 128×64 8 warps 385.
-DKDV_CONFIG = dict(num_warps=8, num_stages=1)   # 2 stages need 354 KB of shared memory (sm_90 limit 227 KB)
-DQ_CONFIG = dict(num_warps=8, num_stages=2)
+# H200, same run: dK/dV 8 warps 84.9 ms, 4 warps 74.7 (2 stages need 354 KB of shared memory, over
+# the 227 KB limit); dQ 8 warps / 2 stages 28.9 ms, 3 stages ~21 (4 warps slower)
+DKDV_CONFIG = dict(num_warps=4, num_stages=1)
+DQ_CONFIG = dict(num_warps=8, num_stages=3)
 
 
 def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_correction: bool = True):

@@ -88,10 +88,11 @@ def main(argv=None) -> int:
 
     variants = []
     if args.variants:
-        for bm, w, st in ((128, 8, 2), (128, 8, 4), (128, 4, 2), (128, 4, 3), (64, 4, 2), (64, 4, 3)):
+        for bm, w, st in ((128, 8, 3), (128, 8, 4), (64, 4, 2), (64, 4, 4), (64, 8, 3)):
             variants.append(("fwd", dict(BM=bm, num_warps=w, num_stages=st)))
-        variants.append(("dkdv", dict(num_warps=4, num_stages=1)))   # 2 stages: 354 KB of shared memory
-        for w, st in ((4, 3), (8, 1), (8, 3), (4, 2)):
+        variants.append(("dkdv", dict(num_warps=8, num_stages=1)))   # 2 stages: 354 KB of shared memory
+        variants.append(("dkdv", dict(num_warps=2, num_stages=1)))
+        for w, st in ((8, 2), (8, 4)):
             variants.append(("dq", dict(num_warps=w, num_stages=st)))
     for key in ("fwd", "dkdv", "dq"):
         for text in getattr(args, key):
