@@ -237,7 +237,8 @@ def forward(q, k, v, scale: float, *, training: bool, store_t: bool = False, con
 
 @triton.jit
 def _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, offs_d, sds_, sdd,
-               Sq, Sqp, qk, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr):
+               Sq, Sqp, qk, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
+               PART: tl.constexpr):
     for start_m in range(0, Sqp, BM):
         offs_m = start_m + tl.arange(0, BM)
         qt = tl.load(Q8 + offs_m[None, :] * D + offs_d[:, None])                           # [D, BM]
@@ -247,24 +248,26 @@ def _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELT
             st = tl.where(key_ok[:, None], st, float("-inf"))
         lse = tl.load(LSE2 + offs_m)
         pt = tl.exp2(st * c - lse[None, :])                                                 # tᵀ = st·c
-        do = tl.load(DO + offs_m[:, None].to(tl.int64) * sds_ + offs_d[None, :] * sdd,
-                     mask=(offs_m < Sq)[:, None], other=0.0)                               # [BM, D]
-        dpt = mma(v, tl.trans(do), tl.zeros([BN, BM], tl.float32))
-        dst = pt * (dpt - tl.load(DELTA + offs_m)[None, :])
-        # dV = Pᵀ dO: P per key over the BM queries, dO per BM queries
-        pmax = tl.max(pt, 1)
-        pinv = tl.where(pmax > 0, 127.0 / tl.maximum(pmax, 1e-30), 0.0)
-        pc = _f2i8(pt * pinv[:, None])
-        do8 = tl.load(DO8T + offs_d[:, None] * Sqp + offs_m[None, :])                       # [D, BM]
-        prod = _i2f(tl.dot(pc, tl.trans(do8)))
-        dv += prod * ((pmax / 127.0) * tl.load(SDO + start_m // BM))[:, None]
-        # dK = dSᵀ Q: dS per BM×BN block
-        amax = tl.max(tl.max(tl.abs(dst), 1), 0)
-        inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
-        dc = _f2i8(dst * inv)
-        q8 = tl.load(Q8T + offs_d[:, None] * Sqp + offs_m[None, :])                          # [D, BM]
-        prod = _i2f(tl.dot(dc, tl.trans(q8)))
-        dk += prod * ((amax / 127.0) * tl.load(SQ + start_m // 128))
+        if PART != 2:
+            # dV = Pᵀ dO: P per key over the BM queries, dO per BM queries
+            pmax = tl.max(pt, 1)
+            pinv = tl.where(pmax > 0, 127.0 / tl.maximum(pmax, 1e-30), 0.0)
+            pc = _f2i8(pt * pinv[:, None])
+            do8 = tl.load(DO8T + offs_d[:, None] * Sqp + offs_m[None, :])                   # [D, BM]
+            prod = _i2f(tl.dot(pc, tl.trans(do8)))
+            dv += prod * ((pmax / 127.0) * tl.load(SDO + start_m // BM))[:, None]
+        if PART != 1:
+            do = tl.load(DO + offs_m[:, None].to(tl.int64) * sds_ + offs_d[None, :] * sdd,
+                         mask=(offs_m < Sq)[:, None], other=0.0)                           # [BM, D]
+            dpt = mma(v, tl.trans(do), tl.zeros([BN, BM], tl.float32))
+            dst = pt * (dpt - tl.load(DELTA + offs_m)[None, :])
+            # dK = dSᵀ Q: dS per BM×BN block
+            amax = tl.max(tl.max(tl.abs(dst), 1), 0)
+            inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+            dc = _f2i8(dst * inv)
+            q8 = tl.load(Q8T + offs_d[:, None] * Sqp + offs_m[None, :])                      # [D, BM]
+            prod = _i2f(tl.dot(dc, tl.trans(q8)))
+            dk += prod * ((amax / 127.0) * tl.load(SQ + start_m // 128))
     return dk, dv
 
 
@@ -272,9 +275,10 @@ def _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELT
 def _dkdv_kernel(Q8, Q8T, SQ, K8, SK, V, DO, DO8T, SDO, LSE2, DELTA, DK, DV,
                  svb, svs, svh, svd, sdb, sds_, sdh, sdd, sob, sos, soh, sod,
                  H, Sq, Skv, Sqp, Skp, qk, sm_scale,
-                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PART: tl.constexpr = 0):
     """Grid (Skp/BN, B·H), BN = 64 keys, BM = 128 queries per step (one dS block of the definition).
-    dK, dV (B, Skv, H, D) in DK's dtype."""
+    dK, dV (B, Skv, H, D) in DK's dtype. PART 0: both; 1: dV only; 2: dK only (two launches that
+    each recompute S, with one accumulator each: fewer registers live)."""
     start_n = tl.program_id(0) * BN
     bh = tl.program_id(1)
     b = bh // H
@@ -299,13 +303,15 @@ def _dkdv_kernel(Q8, Q8T, SQ, K8, SK, V, DO, DO8T, SDO, LSE2, DELTA, DK, DV,
     dv = tl.zeros([BN, D], tl.float32)
     if start_n + BN <= Skv:
         dk, dv = _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, offs_d, sds_, sdd,
-                            Sq, Sqp, qk, D, BM, BN, False)
+                            Sq, Sqp, qk, D, BM, BN, False, PART)
     else:   # the last key block: keys beyond Skv masked
         dk, dv = _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, offs_d, sds_, sdd,
-                            Sq, Sqp, qk, D, BM, BN, True)
+                            Sq, Sqp, qk, D, BM, BN, True, PART)
     off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_n[:, None].to(tl.int64) * sos + offs_d[None, :] * sod
-    tl.store(DK + off, cast(dk * sm_scale, DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + off, cast(dv, DV.dtype.element_ty), mask=key_ok[:, None])
+    if PART != 1:
+        tl.store(DK + off, cast(dk * sm_scale, DK.dtype.element_ty), mask=key_ok[:, None])
+    if PART != 2:
+        tl.store(DV + off, cast(dv, DV.dtype.element_ty), mask=key_ok[:, None])
 
 
 @triton.jit
@@ -400,10 +406,13 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
         cfg[key].update(val)
     qk = float(scale) * LOG2E
     s = state
-    _dkdv_kernel[(Skp // 64, B * H)](   # 64 keys per program, 128-query steps: one dS block per step
-        s["q8"], s["q8t"], s["sq"], s["k8"], s["sk"], v, do, do8t, sdo, s["lse2"], delta, dk, dv,
-        *v.stride(), *do.stride(), *dk.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),
-        D=D, BM=128, BN=64, **cfg["dkdv"])
+    dkdv_cfg = dict(cfg["dkdv"])
+    split = dkdv_cfg.pop("split", False)
+    for part in ((1, 2) if split else (0,)):
+        _dkdv_kernel[(Skp // 64, B * H)](   # 64 keys per program, 128-query steps: one dS block per step
+            s["q8"], s["q8t"], s["sq"], s["k8"], s["sk"], v, do, do8t, sdo, s["lse2"], delta, dk, dv,
+            *v.stride(), *do.stride(), *dk.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),
+            D=D, BM=128, BN=64, PART=part, **dkdv_cfg)
     _dq_kernel[(Sqp // 128, B * H)](    # 128 queries per program, 64-key steps: one dS block per step
         s["q8"], s["sq"], s["k8"], s["k8t"], s["sk"], s["kmean"], v, do, s["lse2"], delta, dq,
         *v.stride(), *do.stride(), *dq.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),

@@ -92,6 +92,8 @@ def main(argv=None) -> int:
             variants.append(("fwd", dict(BM=bm, num_warps=w, num_stages=st)))
         variants.append(("dkdv", dict(num_warps=8, num_stages=1)))   # 2 stages: 354 KB of shared memory
         variants.append(("dkdv", dict(num_warps=2, num_stages=1)))
+        for w, st in ((4, 1), (8, 1)):
+            variants.append(("dkdv", dict(split=True, num_warps=w, num_stages=st)))
         for w, st in ((8, 2), (8, 4)):
             variants.append(("dq", dict(num_warps=w, num_stages=st)))
     for key in ("fwd", "dkdv", "dq"):
