@@ -385,8 +385,10 @@ def _dq_kernel(Q8, SQ, K8, K8T, SK, KMEAN, V, DO, LSE2, DELTA, DQ,
 # sm_90 SASS of the main loops (triton 3.6 wheel here, compiled without a GPU), instructions per
 # thread per 64×64 of S: dK/dV 64×64 tiles 4 warps 1,298 with 84 spill stores, 8 warps 975; 64 keys ×
 # 128 queries, 8 warps: 754 (11 spill stores); dQ 64×64 4 warps 797, 128×64 8 warps 385.
-# H200, same run: dK/dV 8 warps 84.9 ms, 4 warps 74.7 (2 stages need 354 KB of shared memory, over
-# the 227 KB limit); dQ 8 warps / 2 stages 28.9 ms, 3 stages ~21 (4 warps slower)
+# H200, same run (whole backward timed per variant, the other kernel at its then default): dK/dV at
+# 8 warps 84.9 ms (profiled), at 4 warps ~45.6 (backward 74.7 ms minus dQ's 28.9); 2 stages need
+# 354 KB of shared memory, over the 227 KB limit. dQ 8 warps / 2 stages 28.9 ms, 3 stages ~20.6
+# (backward 105.7 minus dK/dV's 84.9); 4 warps slower (backward 119.9-145.2)
 DKDV_CONFIG = dict(num_warps=4, num_stages=1)
 DQ_CONFIG = dict(num_warps=8, num_stages=3)
 
