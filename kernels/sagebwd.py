@@ -248,6 +248,11 @@ def _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELT
             st = tl.where(key_ok[:, None], st, float("-inf"))
         lse = tl.load(LSE2 + offs_m)
         pt = tl.exp2(st * c - lse[None, :])                                                 # tᵀ = st·c
+        if PART != 1:   # the order of the first version (measured on the H200) for PART 0
+            do = tl.load(DO + offs_m[:, None].to(tl.int64) * sds_ + offs_d[None, :] * sdd,
+                         mask=(offs_m < Sq)[:, None], other=0.0)                           # [BM, D]
+            dpt = mma(v, tl.trans(do), tl.zeros([BN, BM], tl.float32))
+            dst = pt * (dpt - tl.load(DELTA + offs_m)[None, :])
         if PART != 2:
             # dV = Pᵀ dO: P per key over the BM queries, dO per BM queries
             pmax = tl.max(pt, 1)
@@ -257,10 +262,6 @@ def _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELT
             prod = _i2f(tl.dot(pc, tl.trans(do8)))
             dv += prod * ((pmax / 127.0) * tl.load(SDO + start_m // BM))[:, None]
         if PART != 1:
-            do = tl.load(DO + offs_m[:, None].to(tl.int64) * sds_ + offs_d[None, :] * sdd,
-                         mask=(offs_m < Sq)[:, None], other=0.0)                           # [BM, D]
-            dpt = mma(v, tl.trans(do), tl.zeros([BN, BM], tl.float32))
-            dst = pt * (dpt - tl.load(DELTA + offs_m)[None, :])
             # dK = dSᵀ Q: dS per BM×BN block
             amax = tl.max(tl.max(tl.abs(dst), 1), 0)
             inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
