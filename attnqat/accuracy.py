@@ -5,6 +5,12 @@ similarity, relative L1 and RMSE against exact float32 attention of the same inp
 method's math, computed in float32 so the reference itself carries no rounding). Numbers are
 reported, never asserted: 4-bit attention is not expected to equal BF16.
 
+``--sagebwd`` adds the per-tensor table of the trainable INT8 method (:mod:`attnqat.sagebwd`): P, O,
+dS, dQ, dK, dV of its PyTorch reference (the definition; the kernels match it to rounding) against
+exact float32 attention and its exact gradients for one random output gradient dO, as cosine
+similarity and relative L2 (‖Δ‖/‖exact‖); dQ also without the smoothing correction, the measured
+reason for that choice (docs/numerics.md).
+
 Input kinds:
   random    q, k, v ~ N(0, 1)
   outliers  heavy-tailed Student-t (ν = 2, clipped at ±60) for q, k, v, plus a per-channel offset
@@ -69,6 +75,51 @@ def measure(kinds=KINDS, methods=DEFAULT_METHODS, B=1, S=1024, H=4, D=128, seed=
     return rows
 
 
+SAGEBWD_TENSORS = ("P", "O", "dS", "dQ", "dK", "dV")
+
+
+def measure_sagebwd(kinds=KINDS, B=1, S=1024, H=4, D=128, seed=0, device="cpu") -> list[dict]:
+    """Per-tensor accuracy of ``sagebwd`` against exact attention (float64 on the same bf16 inputs):
+    one row per (input kind, tensor) with cosine and relative L2. P and dS are dense S×S here
+    (small shapes only)."""
+    from . import sagebwd as sb  # noqa: PLC0415
+
+    rows = []
+    for kind in kinds:
+        q, k, v = make_inputs(kind, B, S, H, D, seed, device)
+        g = torch.Generator(device="cpu").manual_seed(seed + 1)
+        do = torch.randn(B, S, H, D, generator=g).to(device=device, dtype=q.dtype)
+        scale = D ** -0.5
+        # exact, float64, (B, H, S, ·)
+        qd, kd, vd, dod = (x.transpose(1, 2).double() for x in (q, k, v, do))
+        p = torch.softmax(qd @ kd.transpose(-1, -2) * scale, -1)
+        o = p @ vd
+        dp = dod @ vd.transpose(-1, -2)
+        ds = p * (dp - (dod * o).sum(-1, keepdim=True))
+        exact = {"P": p, "O": o, "dS": ds, "dQ": ds @ kd * scale, "dK": ds.transpose(-1, -2) @ qd * scale,
+                 "dV": p.transpose(-1, -2) @ dod}
+        col: dict = {}
+        fwd = sb.forward(q, k, v, scale, collect=col)
+        dq, dk, dv = sb.backward(fwd, q, k, v, do, scale, collect=col)
+        dq_nc = sb.backward(fwd, q, k, v, do, scale, smoothing_correction=False)[0]
+        got = {"P": col["p"], "O": fwd.o, "dS": col["ds"], "dQ": dq.transpose(1, 2), "dK": dk.transpose(1, 2),
+               "dV": dv.transpose(1, 2), "dQ (no smoothing correction)": dq_nc.transpose(1, 2)}
+        for name, x in got.items():
+            ref = exact[name.split(" ")[0]]
+            c = compare(x, ref)
+            rel_l2 = ((x.double() - ref).norm() / ref.norm()).item()
+            rows.append({"input": kind, "tensor": name, "cosine": c["cosine"], "rel_l2": rel_l2})
+    return rows
+
+
+def format_sagebwd_table(rows: list[dict]) -> str:
+    head = f"{'input':<9} {'tensor':<29} {'cosine':>9} {'rel L2':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['input']:<9} {r['tensor']:<29} {r['cosine']:>9.5f} {r['rel_l2']:>9.4f}")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     head = f"{'input':<9} {'method':<7} {'cosine':>9} {'rel L1':>9} {'RMSE':>10}"
     lines = [head, "-" * len(head)]
@@ -94,6 +145,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if available)")
     parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"),
                         help="attention backend for the 4-bit methods")
+    parser.add_argument("--sagebwd", action="store_true",
+                        help="also the per-tensor accuracy (P, O, dS, dQ, dK, dV) of sagebwd, the trainable "
+                             "INT8 method, against exact attention and its gradients (its PyTorch reference; "
+                             "dense S×S tensors: keep --seq small)")
     parser.add_argument("--json", metavar="PATH", type=Path, default=None,
                         help=f"write the rows and settings to this JSON file (None: {default_json()})")
 
@@ -150,6 +205,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"B={args.batch} S={args.seq} H={args.heads} D={args.head_dim}, inputs bf16, device {device}; "
           "against exact float32 attention")
     print(format_table(rows))
-    out.write_text(json.dumps({"settings": settings, "rows": rows}, indent=2) + "\n")
+    result = {"settings": settings, "rows": rows}
+    if args.sagebwd:
+        srows = measure_sagebwd(B=args.batch, S=args.seq, H=args.heads, D=args.head_dim, seed=args.seed,
+                                device=device)
+        print("\nsagebwd (INT8, PyTorch reference) per tensor, against exact attention and its gradients "
+              "(one random dO):")
+        print(format_sagebwd_table(srows))
+        result["sagebwd_tensors"] = srows
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -14,7 +14,8 @@ packed NVFP4 container; torch only), :mod:`.api` (the entry points), :mod:`.quan
 hand-scheduled in Gluon for Hopper: what ``backend="auto"`` runs there), :mod:`.gluon_fwd_qat` (the
 ``attnqat`` training forward in Gluon, likewise), :mod:`.gluon_bwd` (the
 backward's dK/dV and dQ kernels in Gluon for Hopper: same bits, likewise), :mod:`.sage3` (SageAttention3
-numerics), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
+numerics), :mod:`.sagebwd` (``sagebwd``, trainable INT8 attention: forward, backward and its
+quantization pass), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
 
 Imports point one way: the rest of the project imports this package, never the reverse (the
 shared definitions live in :mod:`.formats`, below both).
@@ -26,7 +27,7 @@ import importlib
 
 _API = ("triton_unsupported", "triton_attention", "quantize_nvfp4", "fake_quantize_nvfp4", "METHODS",
         "TRAINABLE", "HEAD_DIMS", "DTYPES", "interpreting", "nvfp4_forward",
-        "fp4_training_attention")
+        "fp4_training_attention", "sagebwd_attention", "sagebwd_unsupported")
 
 __all__ = list(_API)
 

@@ -30,15 +30,18 @@ WAN_SHAPES = {
 }
 SDPA = ("sdpa-cudnn", "sdpa-flash")
 _SCHEDULES = ("", "-triton", "-gluon")
-METHODS = SDPA + tuple(f"{m}{s}" for m in KERNEL_METHODS for s in _SCHEDULES)
+#: kernels with one schedule (no ``-triton``/``-gluon`` variants): ``sagebwd``, the INT8 trainable
+#: attention (:mod:`.sagebwd`, Triton only)
+SINGLE_SCHEDULE = ("sagebwd",)
+METHODS = SDPA + tuple(f"{m}{s}" for m in KERNEL_METHODS for s in _SCHEDULES) + SINGLE_SCHEDULE
 # The kernels' methods (``nvfp4``, ``attnqat``, ...: :data:`.api.METHODS`) are what ``backend="auto"``
 # runs (the Gluon kernels on Hopper where they measured faster); ``*-triton`` forces the Triton kernels
 # and ``*-gluon`` the Gluon ones (forward and backward), so one run shows what the Gluon schedules buy and
 # whether auto's choice at a shape is the faster one. ``published`` (with ``--published-kernel DIR``) is
 # the published Attn-QAT Triton training kernel, for scale.
 #: methods timed forward + backward too (``dropin`` only so: its forward is attnqat's without O')
-BACKWARD_METHODS = SDPA + tuple(f"{m}{s}" for m in KERNEL_TRAINABLE for s in _SCHEDULES) + ("published",)
-DEFAULT_METHODS = SDPA + KERNEL_METHODS
+BACKWARD_METHODS = SDPA + tuple(f"{m}{s}" for m in KERNEL_TRAINABLE for s in _SCHEDULES) + ("published",) + SINGLE_SCHEDULE
+DEFAULT_METHODS = SDPA + KERNEL_METHODS + SINGLE_SCHEDULE
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -163,6 +166,8 @@ def _method_fn(method: str, published: str | None = None):
         return _sdpa(method)
     if method == "published":
         return published_attention(published)
+    if method == "sagebwd":
+        return lambda q, k, v: kernels.sagebwd_attention(q, k, v)
     base, _, schedule = method.partition("-")
     return lambda q, k, v: kernels.triton_attention(q, k, v, method=base, schedule=schedule or None)
 

@@ -109,7 +109,12 @@ def test_kernel_benchmark_method_names_pick_the_schedule(monkeypatch):
     for m in ("nvfp4", "nvfp4-triton", "sage3-gluon", "attnqat-gluon", "dropin-triton"):
         bench._method_fn(m)(None, None, None)
     assert seen == [("nvfp4", None), ("nvfp4", "triton"), ("sage3", "gluon"), ("attnqat", "gluon"), ("dropin", "triton")]
-    assert {m.partition("-")[0] for m in bench.METHODS if not m.startswith("sdpa")} == {"nvfp4", "sage3", "attnqat", "dropin"}
+    assert {m.partition("-")[0] for m in bench.METHODS if not m.startswith("sdpa")} == {"nvfp4", "sage3", "attnqat", "dropin",
+                                                                                     "sagebwd"}
+    # sagebwd has one kernel and its own entry point
+    monkeypatch.setattr(kernels, "sagebwd_attention", lambda q, k, v: seen.append(("sagebwd", None)))
+    bench._method_fn("sagebwd")(None, None, None)
+    assert seen[-1] == ("sagebwd", None)
 
 
 def test_kernel_benchmark_takes_shapes_of_ones_own(capsys):

@@ -1,0 +1,143 @@
+"""Tuning bench of the ``sagebwd`` kernels against cuDNN BF16 SDPA in one process (CUDA only).
+
+    python -m attnqat.kernels.sagebwd_bench [--variants] [--profile] [--json PATH]
+
+Times, at the Wan 2.1 1.3B 480p shape (B=1, H=12, S=32,760, D=128; random BF16 inputs): cuDNN's
+forward and forward+backward, then sagebwd's (quantization included), each twice (the spread is
+the noise), and prints the ratios. ``--profile``: CUDA time per kernel (torch.profiler).
+``--variants``: the tile configurations (warps, pipeline stages, forward query tile) of each kernel,
+each checked against the default's output before it is timed. The rows that go into
+docs/benchmarks.md come from ``attnqat bench kernels``; this is how the defaults were chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from .bench import _bench, _kernel_times, _sdpa, fwd_flops
+from . import sagebwd as ks
+
+SHAPE = dict(B=1, H=12, S=32760, D=128)
+
+
+def _inputs(seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, H, S, D = SHAPE["B"], SHAPE["H"], SHAPE["S"], SHAPE["D"]
+    return [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
+
+
+def time_pair(fn_fwd, fn_step, rep_ms):
+    return ([_bench(fn_fwd, rep_ms), _bench(fn_fwd, rep_ms)], [_bench(fn_step, rep_ms), _bench(fn_step, rep_ms)])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--rep-ms", type=float, default=400.0)
+    ap.add_argument("--fwd", action="append", default=[], help="extra forward config as JSON")
+    ap.add_argument("--dkdv", action="append", default=[], help="extra dK/dV config as JSON")
+    ap.add_argument("--dq", action="append", default=[], help="extra dQ config as JSON")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    q, k, v, do = _inputs()
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    flops = fwd_flops(SHAPE["B"], SHAPE["H"], SHAPE["S"], SHAPE["S"], SHAPE["D"])
+    out = {"shape": SHAPE, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "rows": []}
+
+    def step_of(fn):
+        def step():
+            for t in (qg, kg, vg):
+                t.grad = None
+            fn(qg, kg, vg).backward(do)
+        return step
+
+    cudnn = _sdpa("sdpa-cudnn")
+
+    def sage(config=None):
+        return lambda a, b, c: ks.sagebwd_attention(a, b, c, config=config)
+
+    rows = out["rows"]
+
+    def record(name, fn, backward=True):
+        with torch.no_grad():
+            f = [_bench(lambda: fn(q, k, v), args.rep_ms) for _ in range(2)]
+        b = [_bench(step_of(fn), args.rep_ms) for _ in range(2)] if backward else [float("nan")] * 2
+        rows.append(dict(name=name, fwd_ms=f, fwdbwd_ms=b))
+        print(f"{name:44s} fwd {min(f):8.3f} ms ({f[0]:.3f}/{f[1]:.3f})  fwd+bwd {min(b):8.3f} ms "
+              f"({b[0]:.3f}/{b[1]:.3f})", flush=True)
+
+    record("cudnn", cudnn)
+    record("sagebwd default", sage())
+    base = {"cudnn": rows[0], "sage": rows[1]}
+
+    if args.profile:
+        with torch.no_grad():
+            out["profile_fwd"] = _kernel_times(lambda: sage()(q, k, v))
+        out["profile_fwdbwd"] = _kernel_times(step_of(sage()))
+        out["profile_cudnn_fwdbwd"] = _kernel_times(step_of(cudnn))
+        for key in ("profile_fwd", "profile_fwdbwd", "profile_cudnn_fwdbwd"):
+            print(key)
+            for name, ms in list(out[key].items())[:8]:
+                print(f"    {ms:8.3f} ms  {name[:100]}")
+
+    variants = []
+    if args.variants:
+        for bm, w, st in ((128, 8, 3), (128, 8, 4), (64, 4, 2), (64, 4, 4), (64, 8, 3)):
+            variants.append(("fwd", dict(BM=bm, num_warps=w, num_stages=st)))
+        variants.append(("dkdv", dict(num_warps=8, num_stages=1)))   # 2 stages: 354 KB of shared memory
+        variants.append(("dkdv", dict(num_warps=2, num_stages=1)))
+        for w, st in ((4, 1), (8, 1)):
+            variants.append(("dkdv", dict(split=True, num_warps=w, num_stages=st)))
+        for w, st in ((8, 2), (8, 4)):
+            variants.append(("dq", dict(num_warps=w, num_stages=st)))
+    for key in ("fwd", "dkdv", "dq"):
+        for text in getattr(args, key):
+            variants.append((key, json.loads(text)))
+    with torch.no_grad():
+        o_ref, st_ref = ks.forward(q, k, v, 128 ** -0.5, training=True)
+    g_ref = ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5)
+    for key, cfg in variants:
+        name = f"{key} {cfg}"
+        try:
+            if key == "fwd":
+                with torch.no_grad():
+                    o, _ = ks.forward(q, k, v, 128 ** -0.5, training=True, config=cfg)
+                err = ((o - o_ref).norm() / o_ref.norm()).item()
+                with torch.no_grad():
+                    f = [_bench(lambda: ks.forward(q, k, v, 128 ** -0.5, training=False, config=cfg), args.rep_ms)
+                         for _ in range(2)]
+            else:
+                g = ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5, config={key: cfg})
+                err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(g, g_ref))
+                f = [_bench(lambda: ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5, config={key: cfg}),
+                            args.rep_ms) for _ in range(2)]
+            rows.append(dict(name=name, kernel=key, config=cfg, ms=f, err_vs_default=err))
+            print(f"{name:60s} {min(f):8.3f} ms ({f[0]:.3f}/{f[1]:.3f})  err vs default {err:.1e}", flush=True)
+        except Exception as exc:  # one failing configuration must not lose the table
+            rows.append(dict(name=name, error=f"{type(exc).__name__}: {exc}"[:300]))
+            print(f"{name:60s} ERROR {type(exc).__name__}: {str(exc)[:150]}", flush=True)
+        torch.cuda.empty_cache()
+
+    c, s = base["cudnn"], base["sage"]
+    print("\nsummary (min of two timings), Wan 1.3B 480p B=1 H=12 S=32760 D=128, "
+          f"{out['gpu']}, torch {torch.__version__}")
+    print(f"  cuDNN   fwd {min(c['fwd_ms']):7.2f} ms ({flops / min(c['fwd_ms']) * 1e-9:5.0f} TFLOP/s)   "
+          f"fwd+bwd {min(c['fwdbwd_ms']):7.2f} ms ({3.5 * flops / min(c['fwdbwd_ms']) * 1e-9:5.0f})")
+    print(f"  sagebwd fwd {min(s['fwd_ms']):7.2f} ms ({flops / min(s['fwd_ms']) * 1e-9:5.0f} TOPS)      "
+          f"fwd+bwd {min(s['fwdbwd_ms']):7.2f} ms ({3.5 * flops / min(s['fwdbwd_ms']) * 1e-9:5.0f})")
+    print(f"  ratio   fwd {min(s['fwd_ms']) / min(c['fwd_ms']):.3f}x   fwd+bwd "
+          f"{min(s['fwdbwd_ms']) / min(c['fwdbwd_ms']):.3f}x")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

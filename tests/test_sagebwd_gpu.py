@@ -1,0 +1,69 @@
+"""``sagebwd`` kernels at real sizes on a CUDA GPU (``pytest -m gpu``), against the PyTorch reference
+(attnqat/sagebwd.py) running on the same GPU. Wan 2.1 1.3B 480p self-attention: B=1, S=32,760,
+H=12, D=128; cross-attention 32,760 queries × 512 keys."""
+
+import pytest
+import torch
+
+from attnqat import sagebwd as sb
+from attnqat.metrics import rel_error
+
+import qkv_data
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+S = 32760
+
+
+def make_qkv(B, Sq, Skv, H, D, outliers=False, seed=0):
+    return qkv_data.make_qkv(B, Sq, Skv, H, D, outliers, seed, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])
+def test_wan_forward_quantization_bit_identical_and_output_close(outliers):
+    from attnqat.kernels import sagebwd as ks
+
+    q, k, v = make_qkv(1, S, S, 12, 128, outliers=outliers, seed=1)
+    o, st = ks.forward(q, k, v, 128 ** -0.5, training=True)
+    fwd = sb.forward(q, k, v, 128 ** -0.5)
+    qt = fwd.quant
+    assert torch.equal(st["q8"], qt.q8) and torch.equal(st["q8t"], qt.q8.transpose(2, 3))
+    assert torch.equal(st["k8"], qt.k8) and torch.equal(st["k8t"], qt.k8.transpose(2, 3))
+    assert torch.equal(st["v8t"], qt.v8.transpose(2, 3))
+    for name in ("sq", "sk", "sv", "kmean"):
+        assert torch.equal(st[name], getattr(qt, name)), name
+    err = rel_error(sb._bhsd(o), fwd.o)
+    assert err < 1e-3, err
+    assert (st["lse2"][:, :, :S] - fwd.lse2).abs().max() < 1e-3
+
+
+def test_t_bit_identical_on_the_gpu():
+    from attnqat.kernels import sagebwd as ks
+
+    q, k, v = make_qkv(2, 1000, 1500, 3, 128, outliers=True, seed=2)
+    _, st = ks.forward(q, k, v, 0.09, training=True, store_t=True)
+    qt = sb.quantize_qkv(q, k, v)
+    Sqp, Skp = qt.q8.shape[2], qt.k8.shape[2]
+    t = torch.cat([sb._t_tile(qt.q8.float(), sb._row_scales(qt, 0, Sqp), qt, k0, k0 + 128, 1500, 0.09 * sb.LOG2E)
+                   for k0 in range(0, Skp, 128)], -1)
+    assert torch.equal(st["t"], t)
+
+
+@pytest.mark.parametrize("case", ["self-randn", "self-outliers", "cross-randn"])
+def test_wan_length_backward_close_to_reference(case):
+    from attnqat.kernels import sagebwd as ks
+
+    Skv = 512 if case.startswith("cross") else S
+    H = 12 if case.startswith("cross") else 2
+    q, k, v = make_qkv(1, S, Skv, H, 128, outliers=case.endswith("outliers"), seed=3)
+    do = make_qkv(1, S, S, H, 128, seed=4)[0]
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    o = ks.sagebwd_attention(qr, kr, vr)
+    o.backward(do)
+    fwd = sb.forward(q, k, v, 128 ** -0.5)
+    assert rel_error(o, sb._bhsd(fwd.o)) < 1e-2
+    rq, rk, rv = sb.backward(fwd, q, k, v, do, 128 ** -0.5)
+    for got, want, name in ((qr.grad, rq, "dq"), (kr.grad, rk, "dk"), (vr.grad, rv, "dv")):
+        assert torch.isfinite(got).all(), name
+        err = rel_error(got, want)
+        assert err < 1e-2, (name, err)
