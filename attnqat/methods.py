@@ -16,7 +16,7 @@ Adding a method is one :func:`register` call (see docs/development.md, "Adding a
 method"); nothing downstream lists method names.
 
 The built-in methods (DESIGN.md §3.3) are registered when this module is imported, in the order
-the project shows them: ``bf16``, ``nvfp4``, ``sage3``, ``attnqat``, ``dropin``.
+the project shows them: ``bf16``, ``nvfp4``, ``sage3``, ``attnqat``, ``dropin``, ``sagebwd``.
 
 Lists such as :func:`names` are computed on each call, so a method registered later (a plug-in, a
 test fixture) appears everywhere they are read.
@@ -245,6 +245,32 @@ register(AttentionMethod(
     finetuned_note=("fine-tuned with drop-in 4-bit attention (4-bit forward, ordinary backward: "
                     "the ablation, not Attn-QAT)"),
     finetuned_label="not Attn-QAT: fine-tuned with drop-in FP4 attention (the ablation)"))
+
+
+
+def _sagebwd_kernel(q, k, v, scale: float) -> torch.Tensor:
+    from .kernels import sagebwd as kernel  # noqa: PLC0415  (imports triton: kept off ``import attnqat``)
+
+    return kernel.sagebwd_attention(q, k, v, softmax_scale=scale)
+
+
+def _sagebwd_unsupported(q, k, v) -> str | None:
+    try:
+        from .kernels import sagebwd as kernel  # noqa: PLC0415  (as above)
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return f"the Triton kernels could not be imported ({type(exc).__name__}: {exc})"
+    return kernel.sagebwd_unsupported(q, k, v)
+
+
+register(AttentionMethod(
+    name="sagebwd", label="SageBwd (INT8)",
+    description="8-bit attention: INT8 Q·Kᵀ and P·V (K smoothed), trainable with an INT8 backward",
+    trainable=True, four_bit=False, reference=ops.sagebwd_attention,
+    kernel=Kernel("sagebwd", run=_sagebwd_kernel, unsupported=_sagebwd_unsupported),
+    generation="base",
+    finetuned_note=("fine-tuned with SageBwd INT8 attention (8-bit forward and backward, dP in 16 bits; "
+                    "not Attn-QAT)"),
+    finetuned_label="not Attn-QAT: fine-tuned with SageBwd INT8 attention"))
 
 
 __all__ = ["AttentionMethod", "Kernel", "REFERENCE", "all_methods", "by_finetuned_weights", "four_bit",

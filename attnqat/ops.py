@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import reference as ref
+from . import sagebwd
 
 
 def _bhsd(t: torch.Tensor) -> torch.Tensor:
@@ -152,3 +153,9 @@ def attnqat_attention(q, k, v, scale: float, ablation: str | None = None) -> tor
 def dropin_attention(q, k, v, scale: float) -> torch.Tensor:
     """``dropin``: the nvfp4 forward with an ordinary FlashAttention backward (the ablation)."""
     return torch.ops.attnqat.fp4_train_forward(q, k, v, float(scale), "dropin", None)[0]
+
+
+def sagebwd_attention(q, k, v, scale: float) -> torch.Tensor:
+    """``sagebwd``: INT8 Q·Kᵀ and P̃·V with K smoothed, its backward INT8 but for dP = dO·Vᵀ
+    (:mod:`attnqat.sagebwd`; differentiable)."""
+    return sagebwd.sagebwd_reference(q, k, v, scale)

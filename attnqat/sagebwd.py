@@ -39,11 +39,13 @@ from typing import NamedTuple
 
 import torch
 
-Q_BLOCK = 128    # queries per Q scale (and per forward query tile)
-K_BLOCK = 128    # keys per K and V scale; the forward's key tile that defines the running maximum
-BWD_BLOCK_Q = 128  # backward: dO per 128 queries; P per key over 128 queries; dS per 128 queries ×
-BWD_BLOCK_K = 64   # 64 keys (the kernels' backward tiles: dK/dV 64 keys × 128 queries, dQ 128 × 64)
-QMAX = 127.0
+from attnqat.kernels.formats import INT8_MAX as QMAX
+from attnqat.kernels.formats import SAGEBWD_BWD_BLOCK_K as BWD_BLOCK_K
+from attnqat.kernels.formats import SAGEBWD_BWD_BLOCK_Q as BWD_BLOCK_Q
+from attnqat.kernels.formats import SAGEBWD_K_BLOCK as K_BLOCK
+from attnqat.kernels.formats import SAGEBWD_Q_BLOCK as Q_BLOCK
+from attnqat.kernels.formats import key_mean
+
 LOG2E = 1.4426950408889634
 
 _BUDGET = 1 << 22   # float32 elements per (B, H, q_chunk, K_BLOCK) temporary
@@ -83,12 +85,6 @@ def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     amax = xb.abs().amax(dim=(3, 4))
     codes, scale = int8_codes(xb, amax[..., None, None])
     return codes.to(torch.int8).view(B, H, Sp, D), scale[..., 0, 0]
-
-
-def key_mean(k: torch.Tensor) -> torch.Tensor:
-    """k̄: K's float32 mean over tokens, (B, H, D), from (B, S, H, D) ``k``. The kernels' wrapper
-    calls this same function, so the smoothed K agrees bit for bit."""
-    return torch.mean(k, dim=1, dtype=torch.float32)
 
 
 def _bhsd(t: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,20 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 KV_TILE = 128          # key-tile width that defines the running maximum of the nvfp4 forward
 SAGE_Q_BLOCK = 128     # query block over which sage3 subtracts the mean of Q
 
+# sagebwd (INT8, trainable): its block sizes are part of its definition (docs/numerics.md, "sagebwd")
+SAGEBWD_Q_BLOCK = 128      # queries per Q scale (and per forward query tile)
+SAGEBWD_K_BLOCK = 128      # keys per K and V scale; the forward's key tile that defines the running maximum
+SAGEBWD_BWD_BLOCK_Q = 128  # backward: dO per 128 queries; P per key over 128 queries; dS per 128 queries ×
+SAGEBWD_BWD_BLOCK_K = 64   # 64 keys (the kernels' backward tiles: dK/dV 64 keys × 128 queries, dQ 128 × 64)
+INT8_MAX = 127.0           # s = max|X| / 127
+
+
+def key_mean(k: torch.Tensor) -> torch.Tensor:
+    """k̄: K's float32 mean over tokens, (B, H, D), from (B, S, H, D) ``k`` — what sagebwd subtracts
+    from K. The reference and the kernels' wrapper call this one function, so the smoothed K agrees
+    bit for bit."""
+    return torch.mean(k, dim=1, dtype=torch.float32)
+
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     """float32 values of 4-bit E2M1 codes (uint8, 0..15)."""

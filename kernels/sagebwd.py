@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnqat import sagebwd as _ref
+from . import formats as _ref
 
 from .attention_fwd import cast, mma
 from .quantize import INTERPRET
@@ -37,7 +37,7 @@ LOG2E = 1.4426950408889634
 PAD = 128            # token axes of the INT8 copies are padded to this
 RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5·2^23: (x + M) − M rounds |x| < 2^22 to the nearest integer, ties to even
 
-if (_ref.Q_BLOCK, _ref.K_BLOCK, _ref.BWD_BLOCK_Q, _ref.BWD_BLOCK_K) != (128, 128, 128, 64):  # pragma: no cover
+if (_ref.SAGEBWD_Q_BLOCK, _ref.SAGEBWD_K_BLOCK, _ref.SAGEBWD_BWD_BLOCK_Q, _ref.SAGEBWD_BWD_BLOCK_K) != (128, 128, 128, 64):  # pragma: no cover
     raise ImportError("kernels/sagebwd.py tiles assume Q_BLOCK = K_BLOCK = BWD_BLOCK_Q = 128, BWD_BLOCK_K = 64")
 
 

@@ -22,7 +22,7 @@ def test_tiny_benchmark_runs_and_writes_json(tmp_path, capsys):
     assert res["config"] == "tiny" and res["dtype"] == "bfloat16"
     rows = res["rows"]
     assert [(r["height"], r["width"], r["method"]) for r in rows] == [
-        (h, w, m) for h, w in ((32, 48), (64, 32)) for m in ("bf16", "nvfp4", "sage3")]
+        (h, w, m) for h, w in ((32, 48), (64, 32)) for m in ("bf16", "nvfp4", "sage3", "sagebwd")]
     layers = res["transformer_config"]["num_layers"]
     for r in rows:
         assert r["tokens"] == 2 * (r["height"] // 16) * (r["width"] // 16)

@@ -41,15 +41,17 @@ def dummy():
 
 
 def test_builtin_methods_and_their_lists():
-    assert registry.names() == ("bf16", "nvfp4", "sage3", "attnqat", "dropin")
-    assert registry.generation() == ("bf16", "nvfp4", "sage3", "attnqat")
-    assert registry.trainable() == ("bf16", "attnqat", "dropin")
-    assert registry.inference() == ("bf16", "nvfp4", "sage3")
+    assert registry.names() == ("bf16", "nvfp4", "sage3", "attnqat", "dropin", "sagebwd")
+    assert registry.generation() == ("bf16", "nvfp4", "sage3", "attnqat", "sagebwd")
+    assert registry.trainable() == ("bf16", "attnqat", "dropin", "sagebwd")
+    assert registry.inference() == ("bf16", "nvfp4", "sage3", "sagebwd")
     assert registry.four_bit() == ("nvfp4", "sage3", "attnqat", "dropin")
     assert registry.slot_attention("attnqat") == "nvfp4" and registry.uses_finetuned("attnqat")
     assert registry.get("nvfp4").kernel.name == "nvfp4" and registry.get("bf16").kernel is None
     assert registry.get("attnqat").finetuned_weights == "attnqat-finetuned"
     assert registry.by_finetuned_weights("dropin-finetuned").name == "dropin"
+    assert registry.get("sagebwd").trainable and not registry.get("sagebwd").four_bit
+    assert registry.get("sagebwd").kernel.name == "sagebwd" and registry.label("sagebwd") == "SageBwd (INT8)"
 
 
 def test_register_refuses_a_taken_name_and_an_unknown_deployment(dummy):
