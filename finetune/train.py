@@ -667,6 +667,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     elif ckpt.complete_checkpoints(run_dir):
         raise ValueError(f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
                          "or choose a new --out")
+    if ctx.is_main:
+        ckpt.check_writable(run_dir)
     source = open_source(cfg.data, frames=cfg.frames, height=cfg.height, width=cfg.width,
                          stride=cfg.stride, seed=cfg.seed, two_objects=cfg.two_objects)
     cached = isinstance(source, LatentCache)
@@ -863,6 +865,9 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt as exc:
             print(f"{prog}: interrupted (second Ctrl-C); the last complete checkpoint is kept",
                   file=sys.stderr)
+            return exit_status(exc)
+        except ckpt.CheckpointError as exc:   # an unwritable --out, a full disk
+            print(f"{prog}: {exc}", file=sys.stderr)
             return exit_status(exc)
         except BrokenPipeError as exc:
             # the output was closed (e.g. `| head`): stop, and keep Python's exit from failing on
