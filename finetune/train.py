@@ -256,6 +256,24 @@ def _read_config_file(path: Path) -> dict:
     return data
 
 
+#: settings naming a local file or folder: stored absolute, so that a run resumes from any working
+#: directory and the same path written either way is the same setting
+PATH_SETTINGS = ("out", "data", "model", "transformer", "val_prompts")
+
+
+def _absolute_paths(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with each :data:`PATH_SETTINGS` value that names an existing path (``out``:
+    any) made absolute; ``synthetic``, ``heldout:K`` and hub ids stay as they are."""
+    out = dict(settings)
+    for k in PATH_SETTINGS:
+        v = out.get(k)
+        if isinstance(v, str) and v and v != "synthetic" and not v.startswith("heldout:"):
+            p = Path(v).expanduser()
+            if k == "out" or p.exists():
+                out[k] = str(p.resolve())
+    return out
+
+
 def resolve_config(args: argparse.Namespace, world: int = 1) -> TrainConfig:
     """The run's configuration from the layers of the module docstring, validated, every
     model-dependent default filled in. Loads no weights.
@@ -276,17 +294,18 @@ def resolve_config(args: argparse.Namespace, world: int = 1) -> TrainConfig:
         saved = Path(out) / "config.json"
         if not saved.is_file():
             raise ValueError(f"--resume: {saved} does not exist (is {out} a run folder?)")
-        prior = json.loads(saved.read_text())
+        prior = _absolute_paths(json.loads(saved.read_text()))
         layers.update({k: v for k, v in prior.items() if k not in ("recipe", "resumed_from")})
     if args.config is not None:
-        layers.update(_read_config_file(args.config))
-    layers.update(given)
+        layers.update(_absolute_paths(_read_config_file(args.config)))
+    layers.update(_absolute_paths(given))
     if prior is not None:
         changed = [k for k in IDENTITY if layers.get(k) != prior.get(k)]
         if changed:
             raise ValueError(f"a resumed run keeps its {', '.join(changed)}: start a new run (new "
                              "--out) to change them")
-        layers["resumed_from"] = args.resume
+        layers["resumed_from"] = _absolute_paths({"out": args.resume})["out"] \
+            if args.resume != "latest" else args.resume
     if not layers.get("out"):
         raise ValueError("--out RUN_FOLDER is required")
     cfg = TrainConfig(**{k: v for k, v in layers.items() if k in {f.name for f in fields(TrainConfig)}})
