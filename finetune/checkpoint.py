@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .distributed import DistContext, barrier
 
 CHECKPOINTS = "checkpoints"
+ABANDONED = "checkpoints-abandoned"
 TRAINER_STATE = "trainer.json"
 
 
@@ -82,6 +83,22 @@ def complete_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
                 except ValueError:
                     continue
     return sorted(out)
+
+
+def set_aside_after(run: str | Path, step: int) -> list[Path]:
+    """Move the complete checkpoints of ``run`` after ``step`` to ``RUN/checkpoints-abandoned/``
+    (a run resumed from an older checkpoint abandons them: left in place, the next ``--resume``
+    or export would pick them); returns their new folders."""
+    later = [p for s, p in complete_checkpoints(run) if s > step]
+    moved = []
+    for p in later:
+        dest = Path(run) / ABANDONED / p.name
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(p, dest)
+        moved.append(dest)
+    return moved
 
 
 def resolve(resume: str | Path, run: str | Path) -> Path:
@@ -197,5 +214,5 @@ def load_full_state(folder: str | Path, names: dict[str, torch.Tensor], key: str
         dcp.load({key: names}, checkpoint_id=str(folder), no_dist=True)
 
 
-__all__ = ["CHECKPOINTS", "CheckpointError", "TRAINER_STATE", "check_writable", "checkpoint_dir", "complete_checkpoints", "load",
-           "load_full_state", "read_state", "resolve", "save"]
+__all__ = ["ABANDONED", "CHECKPOINTS", "CheckpointError", "TRAINER_STATE", "check_writable", "checkpoint_dir", "complete_checkpoints", "load",
+           "load_full_state", "read_state", "resolve", "save", "set_aside_after"]

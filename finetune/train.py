@@ -735,11 +735,17 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
         (run_dir / "transformer_config.json").write_text(json.dumps(tcfg, indent=1) + "\n")
-        runlog = RunLog(run_dir, tensorboard=cfg.tensorboard)
+        abandoned = [p.name for p in ckpt.set_aside_after(run_dir, step)] if resume_from else []
+        if abandoned:
+            say(f"resumed from an older checkpoint: the later {', '.join(abandoned)} moved to "
+                f"{run_dir / ckpt.ABANDONED}")
+        runlog = RunLog(run_dir, tensorboard=cfg.tensorboard,
+                        purge_step=step + 1 if resume_from else None)
         dropped = runlog.truncate_after(step)
         runlog.write(step, "event", event="resume" if resume_from else "start", date=now(),
                      world=ctx.world, device=device_name(ctx.device), dropped_records=dropped,
-                     checkpoint=str(resume_from) if resume_from else None)
+                     checkpoint=str(resume_from) if resume_from else None,
+                     **({"abandoned_checkpoints": abandoned} if abandoned else {}))
     order = DataOrder(source.size, cfg.seed)
     batches = None
     validator = None

@@ -40,3 +40,34 @@ def test_resume_from_another_folder_with_paths_written_either_way(model, tmp_pat
     monkeypatch.chdir(tmp_path / "clips")
     assert train(model, "--out", "../run", "--resume", "--data", ".", "--steps", "5") == 0
     assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4, 5]
+
+
+def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(model, tmp_path):
+    """Resumed from step 2 of a run that reached step 6, the checkpoints of steps 4 and 6 belong to
+    an abandoned branch: neither the next plain --resume nor export may pick them, and TensorBoard
+    drops that branch's scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from attnqat.finetune.export import export
+
+    run = tmp_path / "run"
+    common = ["--out", str(run), "--batch-size", "1", "--checkpoint-every", "2", "--tensorboard"]
+    assert train(model, *common, "--steps", "6") == 0
+    first = losses(run)
+    assert train(model, *common, "--resume", str(ckpt.checkpoint_dir(run, 2)), "--steps", "4",
+                 "--lr", "1e-3") == 0
+    assert [s for s, _ in ckpt.complete_checkpoints(run)] == [2, 4]
+    assert sorted(p.name for p in (run / ckpt.ABANDONED).iterdir()) == ["step-0000004", "step-0000006"]
+    resume = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()
+              if '"resume"' in x][-1]
+    assert resume["abandoned_checkpoints"] == ["step-0000004", "step-0000006"]
+    assert ckpt.resolve(run, run) == ckpt.checkpoint_dir(run, 4)
+    side = json.loads((export(run, tmp_path / "exported") / "attnqat.json").read_text())
+    assert side["training"]["steps"] == 4 and side["training"]["checkpoint"] == str(ckpt.checkpoint_dir(run, 4))
+    now = losses(run)
+    assert sorted(now) == [1, 2, 3, 4] and now[4] != first[4]   # the new lr changed step 3's update
+    tb = EventAccumulator(str(run / "tb"))
+    tb.Reload()
+    scalars = tb.Scalars("train/loss")
+    assert [e.step for e in scalars] == [1, 2, 3, 4]
+    assert [e.value for e in scalars] == pytest.approx([now[s] for s in (1, 2, 3, 4)])
