@@ -7,8 +7,8 @@ Sources (:func:`open_source` picks one from ``--data``):
     ``clip.txt``; mp4, webm, mov, mkv, avi, gif, m4v), or a CSV / JSONL manifest whose rows name a
     video (``path``, ``video`` or ``file``; relative to the manifest) and its ``caption`` (or
     ``text``/``prompt``). Clips are decoded on demand: the first ``frames`` frames (every
-    ``stride``-th), scaled to cover the training resolution and center-cropped
-    (:func:`attnqat.video.read_clip`).
+    ``stride``-th) after resampling to the model's frame rate (``--fps``), scaled to cover the
+    training resolution and center-cropped (:func:`attnqat.video.read_clip`).
 ``SyntheticShapes``
     The project's synthetic shapes stream (:mod:`attnqat.synthetic`, training split: no held-out
     colour × shape × motion triple), endless, rendered on demand.
@@ -143,11 +143,12 @@ class VideoFolder:
     """Captioned videos decoded on demand at the training size (module docstring)."""
 
     def __init__(self, data: str | Path, *, frames: int, height: int, width: int,
-                 stride: int = 1) -> None:
+                 stride: int = 1, fps: float | None = None) -> None:
         self.items = list_videos(data)
-        self.frames, self.height, self.width, self.stride = frames, height, width, stride
+        self.frames, self.height, self.width, self.stride, self.fps = frames, height, width, stride, fps
         self.size = len(self.items)
-        self.description = f"videos {data} ({self.size} clips)"
+        self.description = (f"videos {data} ({self.size} clips, "
+                            + (f"resampled to {fps:g} fps)" if fps else "frame for frame)"))
 
     def load(self, index: int) -> Item:
         """Raises :class:`DataError` naming the clip if it cannot be decoded at this size."""
@@ -155,7 +156,8 @@ class VideoFolder:
 
         name, path, caption = self.items[index]
         try:
-            video = read_clip(path, self.frames, self.height, self.width, stride=self.stride)
+            video = read_clip(path, self.frames, self.height, self.width, stride=self.stride,
+                              fps=self.fps)
         except (OSError, ValueError) as exc:
             raise DataError(f"clip {name}: {exc}") from exc
         return Item(name=name, caption=caption, video=video)
@@ -241,9 +243,10 @@ class LatentCache:
 
 
 def open_source(data: str, *, frames: int, height: int, width: int, stride: int = 1,
-                seed: int = 0, two_objects: float | None = None):
+                seed: int = 0, two_objects: float | None = None, fps: float | None = None):
     """The source ``--data`` names: ``synthetic``, a cache folder, a clip folder or a manifest
-    (``two_objects``: the synthetic stream's share of two-object clips; None: its own, a half)."""
+    (``two_objects``: the synthetic stream's share of two-object clips; None: its own, a half;
+    ``fps``: the rate clips are resampled to, None or 0 frame for frame)."""
     if data == "synthetic":
         return SyntheticShapes(frames=frames, height=height, width=width, seed=seed,
                                two_objects=two_objects)
@@ -252,7 +255,7 @@ def open_source(data: str, *, frames: int, height: int, width: int, stride: int 
     p = Path(data).expanduser()
     if p.is_dir() and (p / CACHE_MANIFEST).is_file():
         return LatentCache(p)
-    return VideoFolder(p, frames=frames, height=height, width=width, stride=stride)
+    return VideoFolder(p, frames=frames, height=height, width=width, stride=stride, fps=fps or None)
 
 
 # ----------------------------------------------------------------------------------------------

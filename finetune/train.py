@@ -37,7 +37,9 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from .data import DataError, DataOrder, LatentCache, loader, open_source, pad_text, sample_seed
+from .cache import check_fps, model_fps
+from .data import (CACHE_MANIFEST, DataError, DataOrder, LatentCache, loader, open_source, pad_text,
+                   read_cache_manifest, sample_seed)
 from .distributed import PRECISIONS, DistContext, all_max, all_sum, local
 from .objective import SIGMA_SAMPLINGS, flow_matching_loss, noisy_input, predict, sample_sigma
 from .runlog import RunLog, console_line, device_name, now
@@ -86,6 +88,7 @@ class TrainConfig:
     width: int | None = None
     frames: int | None = None
     stride: int = 1
+    fps: float | None = None
     two_objects: float | None = None
     attention: str = "attnqat"
     scope: str = "self"
@@ -133,8 +136,12 @@ class TrainConfig:
         return self.batch_size * self.grad_accum * world
 
 
+#: settings a latent cache fixes (a run on a cache takes them from it)
+CACHE_SIZES = ("height", "width", "frames", "fps", "max_sequence_length")
+
 #: settings a resumed run may not change (the run would no longer be one run)
-IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "attention",
+IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "fps",
+            "attention",
             "scope", "ablation", "seed", "sigma_sampling", "shift", "caption_dropout")
 
 
@@ -175,6 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--width", type=int, help="training width, a multiple of 16 [model's]")
     g.add_argument("--frames", type=int, help="frames per clip, 4k+1 [model's]")
     g.add_argument("--stride", type=int, help="take every N-th frame of raw clips [1]")
+    g.add_argument("--fps", type=float,
+                   help="raw clips: resample to this frame rate before taking --frames (0: frame "
+                        "for frame, whatever the clip's rate) [the model's: Wan 16]")
     g.add_argument("--two-objects", type=float, metavar="FRAC",
                    help="synthetic data: share of two-object clips [the stream's: 0.5]")
     g.add_argument("--max-sequence-length", type=int,
@@ -295,6 +305,7 @@ def resolve_config(args: argparse.Namespace, world: int = 1) -> TrainConfig:
         if not saved.is_file():
             raise ValueError(f"--resume: {saved} does not exist (is {out} a run folder?)")
         prior = _absolute_paths(json.loads(saved.read_text()))
+        prior.setdefault("fps", 0)   # runs from before --fps read clips frame for frame
         layers.update({k: v for k, v in prior.items() if k not in ("recipe", "resumed_from")})
     if args.config is not None:
         layers.update(_absolute_paths(_read_config_file(args.config)))
@@ -316,10 +327,16 @@ def resolve_config(args: argparse.Namespace, world: int = 1) -> TrainConfig:
         if getattr(cfg, k) is None:
             setattr(cfg, k, v)
     cfg.recipe = f"{kind}: {RECIPE_SOURCES[kind]}"
+    if cfg.data != "synthetic" and (Path(cfg.data) / CACHE_MANIFEST).is_file():
+        meta = read_cache_manifest(cfg.data)   # a cache's own sizes need no repeating
+        for k in CACHE_SIZES:
+            if getattr(cfg, k) is None:
+                setattr(cfg, k, meta.get(k, 0 if k == "fps" else None))   # old caches: frame for frame
     d = info.defaults
     cfg.height = cfg.height or d["height"]
     cfg.width = cfg.width or d["width"]
     cfg.frames = cfg.frames or d["frames"]
+    cfg.fps = model_fps(d) if cfg.fps is None else check_fps(cfg.fps)
     cfg.max_sequence_length = cfg.max_sequence_length or int(d.get("max_sequence_length", 512))
     if cfg.val_prompts is None and kind == "tiny-wan":
         cfg.val_prompts = "heldout:4"
@@ -689,13 +706,12 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     if ctx.is_main:
         ckpt.check_writable(run_dir)
     source = open_source(cfg.data, frames=cfg.frames, height=cfg.height, width=cfg.width,
-                         stride=cfg.stride, seed=cfg.seed, two_objects=cfg.two_objects)
+                         stride=cfg.stride, seed=cfg.seed, two_objects=cfg.two_objects, fps=cfg.fps)
     cached = isinstance(source, LatentCache)
     if cached:
         meta = source.meta
         diff = [f"{k} {meta.get(k)} (cache) vs {getattr(cfg, k)} (run)"
-                for k in ("height", "width", "frames", "max_sequence_length")
-                if meta.get(k) != getattr(cfg, k)]
+                for k in CACHE_SIZES if meta.get(k, 0 if k == "fps" else None) != getattr(cfg, k)]
         if diff:
             raise DataError(f"the cache {cfg.data} does not fit this run: {'; '.join(diff)}")
     prompts = val_prompt_list(cfg.val_prompts) if cfg.val_every else []
