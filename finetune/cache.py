@@ -73,6 +73,9 @@ def _save_shard(folder: Path, file: str, tensors: dict[str, torch.Tensor]) -> No
 
     tmp = folder / (file + ".tmp")
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp))
+    umask = os.umask(0)   # safetensors writes 0600; a shared cache needs the usual file mode
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, folder / file)
 
 

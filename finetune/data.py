@@ -6,7 +6,8 @@ Sources (:func:`open_source` picks one from ``--data``):
     Captioned videos: a folder of clips, each with a caption file of the same stem (``clip.mp4`` +
     ``clip.txt``; mp4, webm, mov, mkv, avi, gif, m4v), or a CSV / JSONL manifest whose rows name a
     video (``path``, ``video`` or ``file``; relative to the manifest) and its ``caption`` (or
-    ``text``/``prompt``). Clips are decoded on demand: the first ``frames`` frames (every
+    ``text``/``prompt``), or a JSON list of such objects (the ``captions.json`` that ``attnqat
+    finetune data`` writes; a folder holding one and no .txt captions reads it). Clips are decoded on demand: the first ``frames`` frames (every
     ``stride``-th) after resampling to the model's frame rate (``--fps``), scaled to cover the
     training resolution and center-cropped (:func:`attnqat.video.read_clip`).
 ``SyntheticShapes``
@@ -42,6 +43,7 @@ import torch
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif", ".m4v")
 CACHE_MANIFEST = "cache.json"
+CAPTIONS_JSON = "captions.json"   # the index `attnqat finetune data` writes beside its clips
 
 
 class DataError(ValueError):
@@ -69,6 +71,14 @@ def _manifest_rows(path: Path) -> list[dict]:
         if path.suffix.lower() == ".csv":
             with path.open(newline="") as f:
                 return list(csv.DictReader(f))
+        if path.suffix.lower() == ".json":
+            try:
+                rows = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(rows, list):
+                raise DataError(f"{path}: a .json manifest must hold a list of objects")
+            return rows
         rows = []
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
@@ -103,9 +113,11 @@ def list_videos(data: str | Path) -> list[tuple[str, Path, str]]:
                         "finetune cache`, or 'synthetic')")
     items: list[tuple[str, Path, str]] = []
     problems: list[str] = []
+    if p.is_dir() and (p / CAPTIONS_JSON).is_file() and not any(p.glob("*.txt")):
+        p = p / CAPTIONS_JSON   # a folder written by `attnqat finetune data`
     if p.is_file():
-        if p.suffix.lower() not in (".csv", ".jsonl"):
-            raise DataError(f"{p}: a manifest must be a .csv or .jsonl file")
+        if p.suffix.lower() not in (".csv", ".jsonl", ".json"):
+            raise DataError(f"{p}: a manifest must be a .csv, .jsonl or .json file")
         for n, row in enumerate(_manifest_rows(p), 1):
             if not isinstance(row, dict):
                 problems.append(f"row {n} is not an object")
@@ -256,6 +268,23 @@ def open_source(data: str, *, frames: int, height: int, width: int, stride: int 
     if p.is_dir() and (p / CACHE_MANIFEST).is_file():
         return LatentCache(p)
     return VideoFolder(p, frames=frames, height=height, width=width, stride=stride, fps=fps or None)
+
+
+def data_fingerprint(source) -> str:
+    """A hash of what a source holds (names, file sizes; for a cache, its shards' clips), so that a
+    resumed run notices data that changed under it. The synthetic stream: its description."""
+    import hashlib
+
+    h = hashlib.sha256(type(source).__name__.encode())
+    if isinstance(source, VideoFolder):
+        for name, path, caption in source.items:
+            h.update(f"{name}\0{path.stat().st_size}\0{caption}\n".encode())
+    elif isinstance(source, LatentCache):
+        for name, file, row in source.entries:
+            h.update(f"{name}\0{file}\0{row}\n".encode())
+    else:
+        h.update(source.description.encode())
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,5 +493,6 @@ def pad_text(texts: list[torch.Tensor], length: int) -> torch.Tensor:
 
 
 __all__ = ["Batches", "CACHE_MANIFEST", "DataError", "DataOrder", "Item", "LatentCache", "RankSamples",
-           "SyntheticShapes", "VIDEO_SUFFIXES", "VideoFolder", "collate", "list_videos", "loader",
+           "SyntheticShapes", "VIDEO_SUFFIXES", "VideoFolder", "collate", "data_fingerprint",
+           "list_videos", "loader",
            "open_source", "pad_text", "read_cache_manifest", "sample_seed"]

@@ -38,8 +38,8 @@ import torch
 
 from . import checkpoint as ckpt
 from .cache import check_fps, model_fps
-from .data import (CACHE_MANIFEST, DataError, DataOrder, LatentCache, loader, open_source, pad_text,
-                   read_cache_manifest, sample_seed)
+from .data import (CACHE_MANIFEST, DataError, DataOrder, LatentCache, data_fingerprint, loader,
+                   open_source, pad_text, read_cache_manifest, sample_seed)
 from .distributed import PRECISIONS, DistContext, all_max, all_sum, local
 from .objective import SIGMA_SAMPLINGS, flow_matching_loss, noisy_input, predict, sample_sigma
 from .runlog import RunLog, console_line, device_name, now
@@ -131,6 +131,7 @@ class TrainConfig:
     max_sequence_length: int | None = None
     recipe: str = ""
     resumed_from: str | None = None
+    data_fingerprint: str | None = None
 
     def global_batch(self, world: int) -> int:
         return self.batch_size * self.grad_accum * world
@@ -142,7 +143,8 @@ CACHE_SIZES = ("height", "width", "frames", "fps", "max_sequence_length")
 #: settings a resumed run may not change (the run would no longer be one run)
 IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "fps",
             "attention",
-            "scope", "ablation", "seed", "sigma_sampling", "shift", "caption_dropout")
+            "scope", "ablation", "seed", "sigma_sampling", "shift", "logit_mean", "logit_std",
+            "caption_dropout")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,7 +261,7 @@ def _read_config_file(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"--config {path} must hold an object of settings")
     data = {k.replace("-", "_"): v for k, v in data.items()}
-    known = {f.name for f in fields(TrainConfig)} - {"recipe", "resumed_from"}
+    known = {f.name for f in fields(TrainConfig)} - {"recipe", "resumed_from", "data_fingerprint"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"--config {path}: unknown setting(s) {', '.join(unknown)}")
@@ -317,9 +319,12 @@ def resolve_config(args: argparse.Namespace, world: int = 1) -> TrainConfig:
                              "--out) to change them")
         layers["resumed_from"] = _absolute_paths({"out": args.resume})["out"] \
             if args.resume != "latest" else args.resume
+        layers["_changed"] = {k: [prior.get(k), v] for k, v in layers.items()
+                              if k in prior and k not in ("recipe", "resumed_from") and v != prior[k]}
     if not layers.get("out"):
         raise ValueError("--out RUN_FOLDER is required")
     cfg = TrainConfig(**{k: v for k, v in layers.items() if k in {f.name for f in fields(TrainConfig)}})
+    cfg._changed = layers.get("_changed", {})   # what a resume changed (logged), not a setting
     cfg.model = cfg.model or DEFAULT_MODEL
     info = model_info(cfg.model)
     kind = "tiny-wan" if info.kind == "tiny-wan" else "wan"
@@ -571,7 +576,7 @@ class Validator:
     sharded); rank 0 decodes, moving the VAE to the GPU for it when it lives on the CPU."""
 
     def __init__(self, cfg: TrainConfig, parts, prompts: list[str], prompt_text: torch.Tensor,
-                 empty_text: torch.Tensor, latent_shape: tuple[int, ...], ctx: DistContext) -> None:
+                 negative_text: torch.Tensor, latent_shape: tuple[int, ...], ctx: DistContext) -> None:
         from diffusers import WanPipeline
 
         from attnqat.synthetic import parse_caption
@@ -580,7 +585,7 @@ class Validator:
         info = model_info(cfg.model)
         d = info.defaults
         self.cfg, self.ctx, self.parts, self.prompts = cfg, ctx, parts, prompts
-        self.prompt_text, self.empty_text = prompt_text, empty_text
+        self.prompt_text, self.negative_text = prompt_text, negative_text
         self.latent_shape = latent_shape
         self.steps = cfg.val_steps or int(d["steps"])
         self.guidance = cfg.val_guidance if cfg.val_guidance is not None else float(d["guidance"])
@@ -614,7 +619,7 @@ class Validator:
                     lat0 = torch.randn((1, *self.latent_shape),
                                        generator=torch.Generator("cpu").manual_seed(i))
                     lat = denoise(model, self.parts.scheduler, lat0, self.prompt_text[i:i + 1].to(dev),
-                                  self.empty_text.to(dev)[None], steps=self.steps,
+                                  self.negative_text.to(dev)[None], steps=self.steps,
                                   guidance=self.guidance, shift=self.shift, device=dev)
                     if not self.ctx.is_main:
                         continue
@@ -693,6 +698,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     written for that step)."""
     from tqdm.auto import tqdm
 
+    from attnqat.wan import model_info
+
     from .encode import Encoder, load_components
 
     say = log if ctx.is_main else (lambda *_a, **_k: None)
@@ -707,6 +714,12 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         ckpt.check_writable(run_dir)
     source = open_source(cfg.data, frames=cfg.frames, height=cfg.height, width=cfg.width,
                          stride=cfg.stride, seed=cfg.seed, two_objects=cfg.two_objects, fps=cfg.fps)
+    fingerprint = data_fingerprint(source)
+    if cfg.data_fingerprint and cfg.data_fingerprint != fingerprint and resume_from is not None:
+        raise DataError(f"the data {cfg.data} changed since the run began (fingerprint "
+                        f"{cfg.data_fingerprint[:12]} then, {fingerprint[:12]} now: clips added, removed "
+                        "or re-encoded): the data order would not be the run's; start a new run (new --out)")
+    cfg.data_fingerprint = fingerprint
     cached = isinstance(source, LatentCache)
     if cached:
         meta = source.meta
@@ -722,6 +735,9 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     else:
         empty = encoder.text([""])[0].cpu()
     prompt_text = encoder.text(prompts).cpu() if prompts else None
+    # validation clips are denoised against the negative prompt `generate` uses (Wan's own)
+    negative = model_info(cfg.model).defaults.get("negative_prompt", "")
+    negative_text = encoder.text([negative])[0].cpu() if prompts and negative else empty
     if cached and encoder is not None:   # the text encoder and VAE leave the GPU
         encoder.text_encoder.to("cpu")
         encoder.vae.to("cpu")
@@ -761,6 +777,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         runlog.write(step, "event", event="resume" if resume_from else "start", date=now(),
                      world=ctx.world, device=device_name(ctx.device), dropped_records=dropped,
                      checkpoint=str(resume_from) if resume_from else None,
+                     changed=getattr(cfg, "_changed", {}) or None,
                      **({"abandoned_checkpoints": abandoned} if abandoned else {}))
     order = DataOrder(source.size, cfg.seed)
     batches = None
@@ -839,7 +856,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
             bar.update(1)
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps) and prompts:
                 if validator is None:
-                    validator = Validator(cfg, parts, prompts, prompt_text, empty, lat_shape, ctx)
+                    validator = Validator(cfg, parts, prompts, prompt_text, negative_text, lat_shape, ctx)
                 vres = validator.run(trainer, step)
                 if runlog is not None:
                     runlog.write(step, "val", **vres)

@@ -227,3 +227,26 @@ def test_cache_records_frame_rates_and_training_takes_its_sizes(model, tmp_path,
     capsys.readouterr()
     assert T.main([*run, "--out", str(tmp_path / "r2"), "--fps", "24"]) == 2
     assert "fps 16.0 (cache) vs 24.0 (run)" in capsys.readouterr().err
+
+
+def test_the_folder_finetune_data_writes_is_training_data(model, tmp_path):
+    """`attnqat finetune data` writes clips and a captions.json index: cache and train read it;
+    cache shards get the usual file mode."""
+    import os
+    import stat
+
+    from attnqat.cli import main
+
+    folder = tmp_path / "shapes"
+    assert main(["finetune", "data", "--out", str(folder), "--n", "3", "--frames", "9", "--size", "32"]) == 0
+    assert (folder / "captions.json").is_file() and not list(folder.glob("*.txt"))
+    items = D.list_videos(folder)
+    assert [n for n, _, _ in items] == ["train_00000.mp4", "train_00001.mp4", "train_00002.mp4"]
+    cache = tmp_path / "cache"
+    build_cache(folder, cache, model=str(model), progress=False)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((cache / "shard-00000.safetensors").stat().st_mode) == 0o666 & ~umask
+    assert T.main(["--model", str(model), "--out", str(tmp_path / "r"), "--data", str(folder),
+                   "--device", "cpu", "--no-tensorboard", "--no-progress", "--steps", "1",
+                   "--batch-size", "1"]) == 0

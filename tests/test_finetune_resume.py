@@ -71,3 +71,33 @@ def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(model, tmp_path)
     scalars = tb.Scalars("train/loss")
     assert [e.step for e in scalars] == [1, 2, 3, 4]
     assert [e.value for e in scalars] == pytest.approx([now[s] for s in (1, 2, 3, 4)])
+
+
+def test_data_that_changed_under_a_run_is_refused_on_resume(model, tmp_path, capsys, monkeypatch):
+    from attnqat.finetune import encode
+
+    data = tmp_path / "clips"
+    write_clips(data, 3)
+    run = ["--out", str(tmp_path / "run"), "--data", str(data), "--batch-size", "1"]
+    assert train(model, *run, "--steps", "2") == 0
+    assert len(json.loads((tmp_path / "run" / "config.json").read_text())["data_fingerprint"]) == 64
+    write_clips(tmp_path / "more", 4)
+    for ext in (".mp4", ".txt"):   # a clip arrives
+        (data / f"clip03{ext}").write_bytes((tmp_path / "more" / f"clip03{ext}").read_bytes())
+    monkeypatch.setattr(encode, "load_components", lambda *a, **k: pytest.fail("the model loaded"))
+    capsys.readouterr()
+    assert train(model, *run, "--resume", "--steps", "4") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "changed since the run began" in err
+
+
+def test_resume_keeps_the_noise_levels_and_logs_what_it_changed(model, tmp_path, capsys):
+    run = ["--out", str(tmp_path / "run"), "--batch-size", "1", "--sigma-sampling", "logit_normal"]
+    assert train(model, *run, "--steps", "2") == 0
+    capsys.readouterr()
+    assert train(model, *run, "--resume", "--steps", "3", "--logit-mean", "0.5") == 2
+    assert "keeps its logit_mean" in capsys.readouterr().err
+    assert train(model, *run, "--resume", "--steps", "3", "--lr", "1e-3") == 0
+    resume = [json.loads(x) for x in (tmp_path / "run" / "log.jsonl").read_text().splitlines()
+              if '"resume"' in x][-1]
+    assert resume["changed"] == {"steps": [2, 3], "lr": [2e-5, 1e-3]}
