@@ -346,6 +346,18 @@ def test_weights_trained_without_attnqat_are_never_labelled_attnqat(model, tmp_p
         assert m.qat_info["fine_tuned"] is False and m.qat_info["identical_to_base"] is False
         assert m.qat_info["label"] == wan.QAT_LABEL_NOT_ATTNQAT[kind]
         assert m.qat_info["label"].startswith("not Attn-QAT") and "not Attn-QAT" in m.qat_info["note"]
+    # the side-by-side band says so too (for the last, the drop-in ablation)
+    from attnqat import generate as G
+
+    bands = []
+    real = G.vid.side_by_side
+    G.vid.side_by_side = lambda videos, *a, **k: (bands.extend(videos), real(videos, *a, **k))[1]
+    try:
+        G.generate("a red circle moves left on a blue background", methods="bf16,attnqat",
+                   models=m, progress=False, out=tmp_path / "gen")
+    finally:
+        G.vid.side_by_side = real
+    assert bands == ["bf16", wan.QAT_LABEL_NOT_ATTNQAT["dropin-finetuned"]]
 
 
 def test_validation_uses_the_negative_prompt_generate_uses(model, tmp_path, monkeypatch):
