@@ -54,6 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Attn-QAT transformer for the attnqat method: a diffusers transformer "
                              "folder or one .safetensors file (diffusers, FastVideo or original Wan "
                              "names). None: the one the model folder names (the tiny model has one)")
+    parser.add_argument("--lora", default=None,
+                        help="a LoRA adapter (the folder or pytorch_lora_weights.safetensors that "
+                             "`attnqat finetune export` writes for a --lora-rank run): fused into "
+                             "the base transformer, it is the attnqat method's weights; instead of "
+                             "--qat-transformer")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="compute dtype of the transformer and text encoder: auto picks what the "
@@ -113,12 +118,15 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.lora is not None and args.qat_transformer is not None:
+        print("attnqat generate: error: --lora: give it or --qat-transformer, not both", file=sys.stderr)
+        return 2
     try:
         result = generate(
             args.prompt, negative_prompt=args.negative_prompt, methods=args.methods, seed=args.seed,
             steps=args.steps, guidance=args.guidance, shift=args.shift, height=args.height,
             width=args.width, frames=args.frames, fps=args.fps, model=args.model or DEFAULT_MODEL,
-            qat_transformer=args.qat_transformer, device=args.device, dtype=args.dtype,
+            qat_transformer=args.lora or args.qat_transformer, device=args.device, dtype=args.dtype,
             out=args.out or _default_out(), fp4_scope=args.fp4_scope, backend=args.backend,
             offload=args.offload, overwrite=args.overwrite, progress=not args.no_progress, log=log)
     except (GenerationError, ModelLoadError, CheckpointError) as exc:

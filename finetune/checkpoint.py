@@ -132,10 +132,18 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def _options(strict: bool = True):
+    """Frozen weights (a LoRA run's base) are the model's, not the run's: not saved, not loaded
+    (loading is not strict about them: dcp.load has already insisted on every saved key)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
+
+
 def _state(model, optimizer, ema) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options())
     state: dict[str, Any] = {"model": msd, "optim": osd}
     if ema is not None:
         state["ema"] = ema.shadow
@@ -191,7 +199,8 @@ def load(folder: str | Path, model, optimizer, ema, ctx: DistContext) -> dict:
                          "without --ema or start a new run")
     state = _state(model, optimizer, ema)
     dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(strict=False))
     if ema is not None:
         ema.load_state_dict({"shadow": state["ema"], "updates": meta["ema_updates"]})
     rng = folder / f"rng-rank-{ctx.rank}.pt"

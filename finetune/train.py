@@ -92,6 +92,8 @@ class TrainConfig:
     two_objects: float | None = None
     attention: str = "attnqat"
     scope: str = "self"
+    lora_rank: int = 0
+    lora_alpha: float | None = None
     backend: str = "auto"
     ablation: str | None = None
     steps: int | None = None
@@ -142,7 +144,7 @@ CACHE_SIZES = ("height", "width", "frames", "fps", "max_sequence_length")
 
 #: settings a resumed run may not change (the run would no longer be one run)
 IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "fps",
-            "attention",
+            "attention", "lora_rank", "lora_alpha",
             "scope", "ablation", "seed", "sigma_sampling", "shift", "logit_mean", "logit_std",
             "caption_dropout")
 
@@ -203,6 +205,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ablation", choices=("d_from_o", "p_unquantized"),
                    help="attnqat only: principle 2 off (D from the 4-bit O) or principle 1 off (P "
                         "not re-quantized before dV); PyTorch reference backend")
+    g.add_argument("--lora-rank", type=int,
+                   help="train a LoRA adapter of this rank on the attention and FFN projections of "
+                        "every block instead of all weights (0: full fine-tuning) [0]")
+    g.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (scale alpha/rank) [rank]")
     g = parser.add_argument_group("objective")
     g.add_argument("--sigma-sampling", choices=SIGMA_SAMPLINGS, help="noise-level draw [recipe]")
     g.add_argument("--shift", type=float, help="flow shift of the noise levels [recipe]")
@@ -354,7 +360,8 @@ def _validate(cfg: TrainConfig, world: int) -> None:
 
     check_size(cfg.height, cfg.width, cfg.frames, cfg.stride)
     ints = {"steps": 1, "batch_size": 1, "grad_accum": 1, "warmup": 0, "checkpoint_every": 0,
-            "keep": 1, "log_every": 1, "val_every": 0, "workers": 0, "max_sequence_length": 1}
+            "keep": 1, "log_every": 1, "val_every": 0, "workers": 0, "max_sequence_length": 1,
+            "lora_rank": 0}
     for k, lo in ints.items():
         v = getattr(cfg, k)
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -370,6 +377,9 @@ def _validate(cfg: TrainConfig, world: int) -> None:
         v = getattr(cfg, k)
         if not 0.0 <= v < 1.0 or (k == "caption_dropout" and v > 1.0):
             raise ValueError(f"--{k.replace('_', '-')} must be in [0, 1), got {v!r}")
+    if cfg.lora_alpha is not None and not (cfg.lora_rank and math.isfinite(cfg.lora_alpha)
+                                           and cfg.lora_alpha > 0):
+        raise ValueError(f"--lora-alpha must be > 0 and needs --lora-rank, got {cfg.lora_alpha!r}")
     if cfg.two_objects is not None and not 0.0 <= cfg.two_objects <= 1.0:
         raise ValueError(f"--two-objects must be in [0, 1], got {cfg.two_objects}")
     if cfg.ema and not 0.0 < cfg.ema < 1.0:
@@ -476,12 +486,17 @@ class Trainer:
         if any(p.dtype != torch.float32 for p in transformer.parameters()):
             raise ValueError("the transformer to train must hold float32 (master) weights")
         self.model = transformer.to(ctx.device)
+        if cfg.lora_rank:
+            from attnqat.lora import add_lora
+
+            add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
         self.proc = install_attention(self.model, cfg.attention, fp4_scope=cfg.scope,
                                       backend=cfg.backend, timing=False, ablation=cfg.ablation)
         if cfg.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
         self.model.train()
-        self.model.requires_grad_(True)
+        if not cfg.lora_rank:
+            self.model.requires_grad_(True)
         shard_transformer(self.model, ctx, self.precision)
         # diffusers' transformer returns a view of its output; nothing here modifies it in place,
         # which is what FSDP2 warns about on every forward
@@ -489,7 +504,7 @@ class Trainer:
         if cfg.compile:
             for block in self.model.blocks:
                 block.compile()
-        self.named = dict(self.model.named_parameters())
+        self.named = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
         n_blocks = len(self.model.blocks)
         self.group_names = [f"block_{i:02d}" for i in range(n_blocks)] + ["embed_head"]
         self.group_of = [int(k.split(".")[1]) if k.startswith("blocks.") else n_blocks
@@ -791,7 +806,9 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         return encoder.latents(batch["video"]), encoder.text(batch["captions"])
 
     say(f"training {sum(p.numel() for p in transformer.parameters()) / 1e6:.1f} M parameters "
-        f"({cfg.attention} attention, scope {cfg.scope}"
+        + (f"({trainer.parameters / 1e6:.2f} M of them a LoRA adapter of rank {cfg.lora_rank}) "
+           if cfg.lora_rank else "")
+        + f"({cfg.attention} attention, scope {cfg.scope}"
         + (f", ablation {cfg.ablation}" if cfg.ablation else "") + f") on {ctx.world} × "
         f"{device_name(ctx.device)}, {trainer.precision}; data {source.description}; global batch "
         f"{gb}; steps {step}..{cfg.steps}")
