@@ -46,6 +46,7 @@ from .runlog import RunLog, console_line, device_name, now
 from .schedule import EMA, SCHEDULES, lr_factor
 
 STUDENT_METHODS = ("attnqat", "dropin", "bf16")
+OPTIMIZERS = ("adamw", "adamw8bit")
 #: the attention a student deploys at inference (validation clips, generate, the app)
 DEPLOYED = {"attnqat": "nvfp4", "dropin": "nvfp4", "bf16": "bf16"}
 EXIT_NONFINITE = 3
@@ -115,6 +116,8 @@ class TrainConfig:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     precision: str = "auto"
+    optimizer: str = "adamw"
+    offload: bool = False
     gradient_checkpointing: bool | None = None
     compile: bool = False
     seed: int = 0
@@ -144,7 +147,7 @@ CACHE_SIZES = ("height", "width", "frames", "fps", "max_sequence_length")
 
 #: settings a resumed run may not change (the run would no longer be one run)
 IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "fps",
-            "attention", "lora_rank", "lora_alpha",
+            "attention", "lora_rank", "lora_alpha", "optimizer",
             "scope", "ablation", "seed", "sigma_sampling", "shift", "logit_mean", "logit_std",
             "caption_dropout")
 
@@ -232,6 +235,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=("auto",) + PRECISIONS,
                    help="bf16 (autocast, FSDP2 bfloat16 parameter gathering, FP32 master weights) "
                         "or fp32; auto: bf16 on CUDA, fp32 on the CPU [auto]")
+    g.add_argument("--optimizer", choices=OPTIMIZERS,
+                   help="adamw: float32 moments (8 bytes a parameter); adamw8bit: the moments of "
+                        "matrices in 8 bits with stochastic rounding (2 bytes) [adamw]")
+    g.add_argument("--offload", action=bool_flag,
+                   help="FSDP2 CPU offload: master weights, gradients and optimizer state live in "
+                        "CPU memory, each block is gathered to the GPU when it runs; the optimizer "
+                        "steps on the CPU [no]")
     g.add_argument("--gradient-checkpointing", action=bool_flag,
                    help="recompute each WanTransformerBlock in the backward [recipe]")
     g.add_argument("--compile", action=bool_flag, help="torch.compile every block [no]")
@@ -386,7 +396,8 @@ def _validate(cfg: TrainConfig, world: int) -> None:
         raise ValueError(f"--ema must be in (0, 1) or 0 (off), got {cfg.ema}")
     choices = {"attention": STUDENT_METHODS, "scope": ("self", "all"),
                "backend": ("auto", "torch", "triton"), "schedule": SCHEDULES,
-               "sigma_sampling": SIGMA_SAMPLINGS, "precision": ("auto",) + PRECISIONS}
+               "sigma_sampling": SIGMA_SAMPLINGS, "precision": ("auto",) + PRECISIONS,
+               "optimizer": OPTIMIZERS}
     for k, allowed in choices.items():
         if getattr(cfg, k) not in allowed:
             raise ValueError(f"unknown --{k.replace('_', '-')} {getattr(cfg, k)!r}; expected one of "
@@ -485,7 +496,8 @@ class Trainer:
             "bf16" if ctx.device.type == "cuda" else "fp32")
         if any(p.dtype != torch.float32 for p in transformer.parameters()):
             raise ValueError("the transformer to train must hold float32 (master) weights")
-        self.model = transformer.to(ctx.device)
+        # offloaded, the weights stay in CPU memory and FSDP2 moves each block in when it runs
+        self.model = transformer if cfg.offload else transformer.to(ctx.device)
         if cfg.lora_rank:
             from attnqat.lora import add_lora
 
@@ -497,7 +509,7 @@ class Trainer:
         self.model.train()
         if not cfg.lora_rank:
             self.model.requires_grad_(True)
-        shard_transformer(self.model, ctx, self.precision)
+        shard_transformer(self.model, ctx, self.precision, offload=cfg.offload)
         # diffusers' transformer returns a view of its output; nothing here modifies it in place,
         # which is what FSDP2 warns about on every forward
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
@@ -511,9 +523,16 @@ class Trainer:
                          for k in self.named]
         decay = [p for p in self.named.values() if p.dim() >= 2]
         no_decay = [p for p in self.named.values() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        if cfg.optimizer == "adamw8bit":
+            from .optim import AdamW8bit
+
+            self.optimizer = AdamW8bit(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                       eps=cfg.adam_eps, seed=cfg.seed)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                               eps=cfg.adam_eps)
         self.ema = EMA(self.named, cfg.ema) if cfg.ema else None
         self.empty_text = empty_text.to(ctx.device, torch.float32)
         self.parameters = sum(p.numel() for p in self.named.values())
@@ -558,7 +577,7 @@ class Trainer:
         params = [p for p in self.named.values()]
         grads = [local(p.grad) if p.grad is not None else torch.zeros(1, device=self.ctx.device)
                  for p in params]
-        norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+        norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]).to(self.ctx.device)
         sq = torch.zeros(len(self.group_names), device=self.ctx.device, dtype=torch.float32)
         sq.index_add_(0, torch.tensor(self.group_of, device=self.ctx.device), norms.square())
         sq = all_sum(sq, self.ctx)
