@@ -496,8 +496,14 @@ class Trainer:
             "bf16" if ctx.device.type == "cuda" else "fp32")
         if any(p.dtype != torch.float32 for p in transformer.parameters()):
             raise ValueError("the transformer to train must hold float32 (master) weights")
-        # offloaded, the weights stay in CPU memory and FSDP2 moves each block in when it runs
+        # offloaded, the weights stay in CPU memory and FSDP2 moves each block in when it runs;
+        # buffers (the RoPE tables) are no parameters of FSDP2's and go to the device themselves
         self.model = transformer if cfg.offload else transformer.to(ctx.device)
+        if cfg.offload:
+            for module in self.model.modules():
+                for name, buf in list(module._buffers.items()):
+                    if buf is not None:
+                        module._buffers[name] = buf.to(ctx.device)
         if cfg.lora_rank:
             from attnqat.lora import add_lora
 
