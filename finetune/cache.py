@@ -3,12 +3,13 @@
 Each clip is resampled to the model's frame rate (``--fps``; Wan: 16, so 24-30 fps footage does not
 teach motion too fast) and decoded at the training size (the first ``--frames`` frames, every
 ``--stride``-th, scaled to cover ``--height`` × ``--width`` and center-cropped; ``--frames`` must be
-4k+1), encoded to normalized VAE latents and its caption to prompt embeddings (:mod:`attnqat.finetune.encode`),
-and written into safetensors shards of ``--shard-size`` clips:
+4k+1), encoded to normalized VAE latents and its caption to prompt embeddings
+(:mod:`attnqat.finetune.encode`), and written into safetensors shards of ``--shard-size`` clips:
 
 ``cache.json``
     settings (model, size, frames, stride, fps, dtypes, latent shape, text width, ``max_sequence_length``),
-    the shards with the names, captions and source frame rates of their clips, and the clips skipped with the reason.
+    the shards with the names, captions and source frame rates of their clips, and the clips
+    skipped with the reason.
 ``shard-NNNNN.safetensors``
     ``latents`` (N, C, T', H', W'), ``text`` (the real-token rows of every caption, concatenated)
     and ``text_offsets`` (N + 1) into it.

@@ -223,5 +223,6 @@ def load_full_state(folder: str | Path, names: dict[str, torch.Tensor], key: str
         dcp.load({key: names}, checkpoint_id=str(folder), no_dist=True)
 
 
-__all__ = ["ABANDONED", "CHECKPOINTS", "CheckpointError", "TRAINER_STATE", "check_writable", "checkpoint_dir", "complete_checkpoints", "load",
-           "load_full_state", "read_state", "resolve", "save", "set_aside_after"]
+__all__ = ["ABANDONED", "CHECKPOINTS", "CheckpointError", "TRAINER_STATE", "check_writable",
+           "checkpoint_dir", "complete_checkpoints", "load", "load_full_state", "read_state",
+           "resolve", "save", "set_aside_after"]

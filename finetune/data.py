@@ -7,9 +7,10 @@ Sources (:func:`open_source` picks one from ``--data``):
     ``clip.txt``; mp4, webm, mov, mkv, avi, gif, m4v), or a CSV / JSONL manifest whose rows name a
     video (``path``, ``video`` or ``file``; relative to the manifest) and its ``caption`` (or
     ``text``/``prompt``), or a JSON list of such objects (the ``captions.json`` that ``attnqat
-    finetune data`` writes; a folder holding one and no .txt captions reads it). Clips are decoded on demand: the first ``frames`` frames (every
-    ``stride``-th) after resampling to the model's frame rate (``--fps``), scaled to cover the
-    training resolution and center-cropped (:func:`attnqat.video.read_clip`).
+    finetune data`` writes; a folder holding one and no .txt captions reads it). Clips are
+    decoded on demand: the first ``frames`` frames (every ``stride``-th) after resampling to the
+    model's frame rate (``--fps``), scaled to cover the training resolution and center-cropped
+    (:func:`attnqat.video.read_clip`).
 ``SyntheticShapes``
     The project's synthetic shapes stream (:mod:`attnqat.synthetic`, training split: no held-out
     colour × shape × motion triple), endless, rendered on demand.

@@ -61,7 +61,8 @@ def _json_safe(value: Any) -> Any:
 class RunLog:
     """Append-only JSONL log plus optional TensorBoard scalars of one run folder."""
 
-    def __init__(self, folder: str | Path, *, tensorboard: bool = True, purge_step: int | None = None) -> None:
+    def __init__(self, folder: str | Path, *, tensorboard: bool = True,
+                 purge_step: int | None = None) -> None:
         """``purge_step``: a resumed run's step; TensorBoard hides the scalars a killed or abandoned
         run wrote after it."""
         self.folder = Path(folder)

@@ -145,6 +145,11 @@ class TrainConfig:
 #: settings a latent cache fixes (a run on a cache takes them from it)
 CACHE_SIZES = ("height", "width", "frames", "fps", "max_sequence_length")
 
+
+def cache_sizes(meta: dict) -> dict[str, Any]:
+    """A cache manifest's :data:`CACHE_SIZES` (caches from before ``--fps``: frame for frame, 0)."""
+    return {k: meta.get(k, 0 if k == "fps" else None) for k in CACHE_SIZES}
+
 #: settings a resumed run may not change (the run would no longer be one run)
 IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "fps",
             "attention", "lora_rank", "lora_alpha", "optimizer",
@@ -349,10 +354,9 @@ def resolve_config(args: argparse.Namespace, world: int = 1) -> TrainConfig:
             setattr(cfg, k, v)
     cfg.recipe = f"{kind}: {RECIPE_SOURCES[kind]}"
     if cfg.data != "synthetic" and (Path(cfg.data) / CACHE_MANIFEST).is_file():
-        meta = read_cache_manifest(cfg.data)   # a cache's own sizes need no repeating
-        for k in CACHE_SIZES:
+        for k, v in cache_sizes(read_cache_manifest(cfg.data)).items():   # no repeating them
             if getattr(cfg, k) is None:
-                setattr(cfg, k, meta.get(k, 0 if k == "fps" else None))   # old caches: frame for frame
+                setattr(cfg, k, v)
     d = info.defaults
     cfg.height = cfg.height or d["height"]
     cfg.width = cfg.width or d["width"]
@@ -762,9 +766,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     cfg.data_fingerprint = fingerprint
     cached = isinstance(source, LatentCache)
     if cached:
-        meta = source.meta
-        diff = [f"{k} {meta.get(k)} (cache) vs {getattr(cfg, k)} (run)"
-                for k in CACHE_SIZES if meta.get(k, 0 if k == "fps" else None) != getattr(cfg, k)]
+        diff = [f"{k} {v} (cache) vs {getattr(cfg, k)} (run)"
+                for k, v in cache_sizes(source.meta).items() if v != getattr(cfg, k)]
         if diff:
             raise DataError(f"the cache {cfg.data} does not fit this run: {'; '.join(diff)}")
     prompts = val_prompt_list(cfg.val_prompts) if cfg.val_every else []

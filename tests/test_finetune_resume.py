@@ -63,7 +63,8 @@ def test_resuming_an_older_checkpoint_sets_the_later_ones_aside(model, tmp_path)
     assert resume["abandoned_checkpoints"] == ["step-0000004", "step-0000006"]
     assert ckpt.resolve(run, run) == ckpt.checkpoint_dir(run, 4)
     side = json.loads((export(run, tmp_path / "exported") / "attnqat.json").read_text())
-    assert side["training"]["steps"] == 4 and side["training"]["checkpoint"] == str(ckpt.checkpoint_dir(run, 4))
+    assert side["training"]["steps"] == 4
+    assert side["training"]["checkpoint"] == str(ckpt.checkpoint_dir(run, 4))
     now = losses(run)
     assert sorted(now) == [1, 2, 3, 4] and now[4] != first[4]   # the new lr changed step 3's update
     tb = EventAccumulator(str(run / "tb"))
