@@ -785,7 +785,10 @@ def write_outputs(result: GenerationResult, settings: GenerationSettings, out: s
         for slot, frames in result.videos.items():
             vid.write_mp4(frames, tmp / f"{slot}.mp4", settings.fps)
             record.methods[slot].video = f"{slot}.mp4"
-        vid.side_by_side({slot: tmp / f"{slot}.mp4" for slot in result.videos},
+        # the band names the slot, or what the attnqat slot holds when it is not Attn-QAT weights
+        bands = {slot: record.methods[slot].label if record.methods[slot].label.startswith("not Attn-QAT")
+                 else slot for slot in result.videos}
+        vid.side_by_side({bands[slot]: tmp / f"{slot}.mp4" for slot in result.videos},
                          tmp / "side_by_side.mp4", fps=settings.fps)
         record.side_by_side = "side_by_side.mp4"
         record.save(tmp / "record.json")

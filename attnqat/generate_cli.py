@@ -57,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Attn-QAT transformer for the attnqat method: a diffusers transformer "
                              "folder or one .safetensors file (diffusers, FastVideo or original Wan "
                              "names). None: the one the model folder names (the tiny model has one)")
+    parser.add_argument("--lora", default=None,
+                        help="a LoRA adapter (the folder or pytorch_lora_weights.safetensors that "
+                             "`attnqat finetune export` writes for a --lora-rank run): fused into "
+                             "the base transformer, it is the attnqat method's weights; instead of "
+                             "--qat-transformer")
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                         help="compute dtype of the transformer and text encoder: auto picks what the "
@@ -104,6 +109,8 @@ def request_from(args: argparse.Namespace) -> GenerationRequest:
     values = {name: getattr(args, name) for name in GenerationRequest.field_names() if hasattr(args, name)}
     values["model"] = values.get("model") or DEFAULT_MODEL
     values["out"] = values.get("out") or _default_out()
+    if getattr(args, "lora", None) is not None:   # an adapter goes where fine-tuned weights go
+        values["qat_transformer"] = args.lora
     return GenerationRequest(**values)
 
 
@@ -119,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    if args.lora is not None and args.qat_transformer is not None:
+        print("attnqat generate: error: --lora: give it or --qat-transformer, not both", file=sys.stderr)
+        return 2
     try:
         result = generate(request_from(args), progress=not args.no_progress, log=log)
     except (GenerationError, ModelLoadError, CheckpointError) as exc:

@@ -117,10 +117,13 @@ def read_mp4(path: str | Path) -> tuple[np.ndarray, float]:
     return np.stack(frames), float(meta["fps"])
 
 
-def read_clip(path: str | Path, frames: int, height: int, width: int, *, stride: int = 1) -> np.ndarray:
+def read_clip(path: str | Path, frames: int, height: int, width: int, *, stride: int = 1,
+              fps: float | None = None) -> np.ndarray:
     """The first ``frames`` frames (every ``stride``-th) of a video file of any format ffmpeg reads,
     scaled so that it covers ``height`` × ``width`` and center-cropped to it: (frames, height,
-    width, 3) uint8 RGB. Only the frames needed are decoded.
+    width, 3) uint8 RGB. Only the frames needed are decoded. ``fps``: resample the clip to this
+    frame rate first (frames dropped or repeated as ffmpeg's ``fps`` filter does); None: frame for
+    frame.
 
     Raises:
         FileNotFoundError: no such file.
@@ -135,7 +138,8 @@ def read_clip(path: str | Path, frames: int, height: int, width: int, *, stride:
     if frames < 1 or height < 1 or width < 1 or stride < 1:
         raise ValueError(f"frames, height, width and stride must be positive, got {frames}, "
                          f"{height}, {width}, {stride}")
-    vf = (f"select=not(mod(n\\,{stride})),scale={width}:{height}:force_original_aspect_ratio=increase,"
+    rate = f"fps={_check_fps(fps)}," if fps is not None else ""
+    vf = (f"{rate}select=not(mod(n\\,{stride})),scale={width}:{height}:force_original_aspect_ratio=increase,"
           f"crop={width}:{height},setsar=1")
     out: list[np.ndarray] = []
     # imageio-ffmpeg logs a warning when the filter changes the frame size, which is the point here

@@ -686,7 +686,9 @@ def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Pat
             raise ModelLoadError(f"Attn-QAT transformer not found: {qat_transformer}")
     pipe = _load_pipeline(info, dev, offload, dt)
     models = WanModels(pipe=pipe, device=dev, info=info, offload=offload, dtype=dt, dtype_reason=why)
-    if qat_path is not None:
+    if qat_path is not None and is_lora(qat_path):
+        models.qat_transformer, models.qat_info = _lora_transformer(pipe, qat_path)
+    elif qat_path is not None:
         qat, ckpt = load_wan_transformer(qat_path, config=dict(pipe.transformer.config), dtype=dt)
         qat.eval()
         qat.requires_grad_(False)
@@ -711,6 +713,49 @@ def load_models(model: str | Path = DEFAULT_MODEL, *, qat_transformer: str | Pat
                            "prefix_stripped": ckpt.prefix, "note": note, "folder_note": ckpt.note,
                            "identical_to_base": identical, "fine_tuned": fine_tuned, "label": label}
     return models
+
+
+def is_lora(path: Path) -> bool:
+    """A LoRA adapter (diffusers' ``pytorch_lora_weights.safetensors``, or a folder holding one)
+    rather than transformer weights."""
+    from .lora import LORA_FILE
+
+    return path.name == LORA_FILE or (path.is_dir() and (path / LORA_FILE).is_file())
+
+
+def _lora_transformer(pipe, path: Path):
+    """The base transformer with the adapter at ``path`` fused in, through diffusers'
+    ``load_lora_weights``; and its ``qat_info`` (label from the adapter folder's attnqat.json)."""
+    import copy
+
+    from diffusers import WanPipeline
+
+    from .lora import fuse_lora_file
+
+    qat = copy.deepcopy(pipe.transformer)
+    holder = WanPipeline(tokenizer=None, text_encoder=None, vae=None, transformer=qat,
+                         scheduler=pipe.scheduler)
+    try:
+        fuse_lora_file(holder, path)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelLoadError(f"cannot load the LoRA adapter {path}: {type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from exc
+    qat.eval()
+    qat.requires_grad_(False)
+    folder = path if path.is_dir() else path.parent
+    record = {}
+    if (folder / SIDECAR).is_file():
+        try:
+            record = json.loads((folder / SIDECAR).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelLoadError(f"cannot read {folder / SIDECAR}: {exc}") from exc
+    kind = record.get("weights")
+    fine_tuned = kind not in QAT_LABEL_NOT_ATTNQAT
+    note = record.get("qat_weights_note") or f"a LoRA adapter ({path}) fused into the base transformer"
+    return qat, {"checkpoint": str(path.resolve()), "scheme": "lora", "prefix_stripped": None,
+                 "note": note, "folder_note": record.get("qat_weights_note"),
+                 "identical_to_base": False, "fine_tuned": fine_tuned,
+                 "label": QAT_LABEL_NOT_ATTNQAT[kind] if not fine_tuned else QAT_LABEL_FINE_TUNED}
 
 
 def latent_shape(pipe, height: int, width: int, frames: int, batch: int = 1) -> tuple[int, ...]:

@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction,
                         default=True, help="recompute each block in the backward")
+    parser.add_argument("--offload", action="store_true",
+                        help="FSDP2 CPU offload (weights, gradients, optimizer state in CPU memory)")
+    parser.add_argument("--optimizer", choices=("adamw", "adamw8bit"), default="adamw",
+                        help="the trainer's optimizer (adamw8bit: 8-bit moments)")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="train a LoRA adapter of this rank instead of all weights (0: full)")
     parser.add_argument("--published-kernel", type=Path, default=None,
                         help="folder holding the published fastvideo_kernel package; adds a row")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: --config tiny)")
@@ -81,16 +87,19 @@ def _published_attention(folder: Path):
 
 
 def bench_method(method: str, config: dict, ctx, *, height: int, width: int, frames: int,
-                 steps: int, warmup: int, checkpointing: bool, published: Path | None = None
+                 steps: int, warmup: int, checkpointing: bool, published: Path | None = None,
+                 offload: bool = False, optimizer: str = "adamw", lora_rank: int = 0
                  ) -> dict[str, Any]:
     """Time the trainer's optimizer step for one student attention; returns one row."""
     student = "attnqat" if method == "published" else method
     cfg = TrainConfig(out="", attention=student, batch_size=1, steps=10**6, lr=1e-6, warmup=0,
                       schedule="constant", weight_decay=0.01, grad_clip=1.0, ema=0.0,
                       caption_dropout=0.1, sigma_sampling="uniform", shift=1.0,
-                      gradient_checkpointing=checkpointing, precision="auto")
+                      gradient_checkpointing=checkpointing, precision="auto", offload=offload,
+                      optimizer=optimizer, lora_rank=lora_rank)
     dev = ctx.device
-    model = build_random_transformer(config, dev, dtype=torch.float32, seed=0)
+    model = build_random_transformer(config, torch.device("cpu") if offload else dev,
+                                     dtype=torch.float32, seed=0)
     lat = (config["in_channels"], (frames - 1) // 4 + 1, height // 8, width // 8)
     gen = torch.Generator(device="cpu").manual_seed(1 + ctx.rank)
     latents = torch.randn(1, *lat, generator=gen).to(dev)
@@ -115,13 +124,17 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    import resource
+
+    host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # GiB, this process
     tokens = tokens_per_sample(config, lat)
     step = statistics.median(times)
     row = {"method": method, "step_s": step, "step_all_s": times, "peak_memory_gib": peak,
            "tokens_per_step_per_gpu": tokens, "tokens_per_s_per_gpu": tokens / step,
            "losses": losses, "loss_finite": all(map(lambda x: x == x and abs(x) != float("inf"), losses)),
            "parameters": trainer.parameters, "precision": trainer.precision,
-           "gradient_checkpointing": checkpointing}
+           "gradient_checkpointing": checkpointing, "offload": offload, "optimizer": optimizer,
+           "lora_rank": lora_rank, "host_peak_rss_gib": host_peak}
     del trainer, model, latents, text
     gc.collect()
     if dev.type == "cuda":
@@ -173,10 +186,12 @@ def run(args: argparse.Namespace) -> int:
             row = bench_method(m, config, ctx, height=h, width=w, frames=args.frames,
                                steps=args.steps, warmup=args.warmup,
                                checkpointing=args.gradient_checkpointing,
-                               published=args.published_kernel)
+                               published=args.published_kernel, offload=args.offload,
+                               optimizer=args.optimizer, lora_rank=args.lora_rank)
             rows.append(row)
             if ctx.is_main:
-                print(f"{m}: step {row['step_s']:.3f} s, peak {row['peak_memory_gib']} GiB, losses "
+                print(f"{m}: step {row['step_s']:.3f} s, peak {row['peak_memory_gib']} GiB (host RSS "
+                      f"{row['host_peak_rss_gib']:.1f} GiB), losses "
                       f"{[round(x, 4) for x in row['losses']]}", file=sys.stderr, flush=True)
         if ctx.is_main:
             print(format_rows(rows, ctx.world))

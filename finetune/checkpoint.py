@@ -30,7 +30,40 @@ import torch.distributed as dist
 from .distributed import DistContext, barrier
 
 CHECKPOINTS = "checkpoints"
+ABANDONED = "checkpoints-abandoned"
 TRAINER_STATE = "trainer.json"
+
+
+class CheckpointError(OSError):
+    """A run folder or checkpoint that cannot be written; the message is one line."""
+
+
+def check_writable(run: str | Path) -> None:
+    """Raise ValueError (one line) unless the run folder can be created and written, without
+    creating anything (the trainer checks this before a model loads)."""
+    p = Path(run).absolute()
+    q = p
+    while not q.exists() and q != q.parent:
+        q = q.parent
+    if not q.is_dir():
+        raise ValueError(f"--out {run}: {q} is not a folder")
+    if not os.access(q, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {run}: {q} is not writable")
+
+
+def _write_failure(exc: BaseException, step: int, folder: Path) -> CheckpointError:
+    """One line for a checkpoint that could not be written: the cause and the disk's free space."""
+    failures = getattr(exc, "failures", None)   # dcp's CheckpointException: rank -> (exception, trace)
+    if isinstance(failures, dict) and failures:
+        exc = next(iter(failures.values()))[0]
+    cause = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
+    try:
+        free = f"; {shutil.disk_usage(folder.parent).free / 2**20:.0f} MiB free there"
+    except OSError:
+        free = ""
+    return CheckpointError(f"cannot write the checkpoint of step {step} in {folder.parent} "
+                           f"({type(exc).__name__}: {cause}{free}); nothing of it was kept, the "
+                           "last complete checkpoint stays as it was")
 
 
 def checkpoint_dir(run: str | Path, step: int) -> Path:
@@ -50,6 +83,22 @@ def complete_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
                 except ValueError:
                     continue
     return sorted(out)
+
+
+def set_aside_after(run: str | Path, step: int) -> list[Path]:
+    """Move the complete checkpoints of ``run`` after ``step`` to ``RUN/checkpoints-abandoned/``
+    (a run resumed from an older checkpoint abandons them: left in place, the next ``--resume``
+    or export would pick them); returns their new folders."""
+    later = [p for s, p in complete_checkpoints(run) if s > step]
+    moved = []
+    for p in later:
+        dest = Path(run) / ABANDONED / p.name
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(p, dest)
+        moved.append(dest)
+    return moved
 
 
 def resolve(resume: str | Path, run: str | Path) -> Path:
@@ -83,10 +132,18 @@ def _set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
+def _options(strict: bool = True):
+    """Frozen weights (a LoRA run's base) are the model's, not the run's: not saved, not loaded
+    (loading is not strict about them: dcp.load has already insisted on every saved key)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True, strict=strict)
+
+
 def _state(model, optimizer, ema) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options())
     state: dict[str, Any] = {"model": msd, "optim": osd}
     if ema is not None:
         state["ema"] = ema.shadow
@@ -100,16 +157,26 @@ def save(run: str | Path, step: int, model, optimizer, ema, trainer_state: dict,
 
     final = checkpoint_dir(run, step)
     tmp = final.with_name(final.name + ".tmp")
+    try:
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(ctx)
+        dcp.save(_state(model, optimizer, ema), checkpoint_id=str(tmp))
+        torch.save(_rng_state(), tmp / f"rng-rank-{ctx.rank}.pt")
+        barrier(ctx)
+        if ctx.is_main:
+            (tmp / TRAINER_STATE).write_text(json.dumps({**trainer_state, "step": step,
+                                                         "world": ctx.world}, indent=1) + "\n")
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)   # a partial checkpoint would keep the disk full
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        # a full disk: OSError, RuntimeError from torch.save's writer, CheckpointException from dcp
+        if isinstance(exc, (OSError, RuntimeError, CheckpointException)):
+            raise _write_failure(exc, step, tmp) from exc
+        raise
     if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(ctx)
-    dcp.save(_state(model, optimizer, ema), checkpoint_id=str(tmp))
-    torch.save(_rng_state(), tmp / f"rng-rank-{ctx.rank}.pt")
-    barrier(ctx)
-    if ctx.is_main:
-        (tmp / TRAINER_STATE).write_text(json.dumps({**trainer_state, "step": step,
-                                                     "world": ctx.world}, indent=1) + "\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -132,7 +199,8 @@ def load(folder: str | Path, model, optimizer, ema, ctx: DistContext) -> dict:
                          "without --ema or start a new run")
     state = _state(model, optimizer, ema)
     dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_options(strict=False))
     if ema is not None:
         ema.load_state_dict({"shadow": state["ema"], "updates": meta["ema_updates"]})
     rng = folder / f"rng-rank-{ctx.rank}.pt"
@@ -155,5 +223,6 @@ def load_full_state(folder: str | Path, names: dict[str, torch.Tensor], key: str
         dcp.load({key: names}, checkpoint_id=str(folder), no_dist=True)
 
 
-__all__ = ["CHECKPOINTS", "TRAINER_STATE", "checkpoint_dir", "complete_checkpoints", "load",
-           "load_full_state", "read_state", "resolve", "save"]
+__all__ = ["ABANDONED", "CHECKPOINTS", "CheckpointError", "TRAINER_STATE", "check_writable",
+           "checkpoint_dir", "complete_checkpoints", "load", "load_full_state", "read_state",
+           "resolve", "save", "set_aside_after"]

@@ -6,8 +6,10 @@ Sources (:func:`open_source` picks one from ``--data``):
     Captioned videos: a folder of clips, each with a caption file of the same stem (``clip.mp4`` +
     ``clip.txt``; mp4, webm, mov, mkv, avi, gif, m4v), or a CSV / JSONL manifest whose rows name a
     video (``path``, ``video`` or ``file``; relative to the manifest) and its ``caption`` (or
-    ``text``/``prompt``). Clips are decoded on demand: the first ``frames`` frames (every
-    ``stride``-th), scaled to cover the training resolution and center-cropped
+    ``text``/``prompt``), or a JSON list of such objects (the ``captions.json`` that ``attnqat
+    finetune data`` writes; a folder holding one and no .txt captions reads it). Clips are
+    decoded on demand: the first ``frames`` frames (every ``stride``-th) after resampling to the
+    model's frame rate (``--fps``), scaled to cover the training resolution and center-cropped
     (:func:`attnqat.video.read_clip`).
 ``SyntheticShapes``
     The project's synthetic shapes stream (:mod:`attnqat.synthetic`, training split: no held-out
@@ -42,6 +44,7 @@ import torch
 
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif", ".m4v")
 CACHE_MANIFEST = "cache.json"
+CAPTIONS_JSON = "captions.json"   # the index `attnqat finetune data` writes beside its clips
 
 
 class DataError(ValueError):
@@ -69,6 +72,14 @@ def _manifest_rows(path: Path) -> list[dict]:
         if path.suffix.lower() == ".csv":
             with path.open(newline="") as f:
                 return list(csv.DictReader(f))
+        if path.suffix.lower() == ".json":
+            try:
+                rows = json.loads(path.read_text())
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(rows, list):
+                raise DataError(f"{path}: a .json manifest must hold a list of objects")
+            return rows
         rows = []
         for n, line in enumerate(path.read_text().splitlines(), 1):
             if line.strip():
@@ -103,9 +114,11 @@ def list_videos(data: str | Path) -> list[tuple[str, Path, str]]:
                         "finetune cache`, or 'synthetic')")
     items: list[tuple[str, Path, str]] = []
     problems: list[str] = []
+    if p.is_dir() and (p / CAPTIONS_JSON).is_file() and not any(p.glob("*.txt")):
+        p = p / CAPTIONS_JSON   # a folder written by `attnqat finetune data`
     if p.is_file():
-        if p.suffix.lower() not in (".csv", ".jsonl"):
-            raise DataError(f"{p}: a manifest must be a .csv or .jsonl file")
+        if p.suffix.lower() not in (".csv", ".jsonl", ".json"):
+            raise DataError(f"{p}: a manifest must be a .csv, .jsonl or .json file")
         for n, row in enumerate(_manifest_rows(p), 1):
             if not isinstance(row, dict):
                 problems.append(f"row {n} is not an object")
@@ -143,11 +156,12 @@ class VideoFolder:
     """Captioned videos decoded on demand at the training size (module docstring)."""
 
     def __init__(self, data: str | Path, *, frames: int, height: int, width: int,
-                 stride: int = 1) -> None:
+                 stride: int = 1, fps: float | None = None) -> None:
         self.items = list_videos(data)
-        self.frames, self.height, self.width, self.stride = frames, height, width, stride
+        self.frames, self.height, self.width, self.stride, self.fps = frames, height, width, stride, fps
         self.size = len(self.items)
-        self.description = f"videos {data} ({self.size} clips)"
+        self.description = (f"videos {data} ({self.size} clips, "
+                            + (f"resampled to {fps:g} fps)" if fps else "frame for frame)"))
 
     def load(self, index: int) -> Item:
         """Raises :class:`DataError` naming the clip if it cannot be decoded at this size."""
@@ -155,7 +169,8 @@ class VideoFolder:
 
         name, path, caption = self.items[index]
         try:
-            video = read_clip(path, self.frames, self.height, self.width, stride=self.stride)
+            video = read_clip(path, self.frames, self.height, self.width, stride=self.stride,
+                              fps=self.fps)
         except (OSError, ValueError) as exc:
             raise DataError(f"clip {name}: {exc}") from exc
         return Item(name=name, caption=caption, video=video)
@@ -241,9 +256,10 @@ class LatentCache:
 
 
 def open_source(data: str, *, frames: int, height: int, width: int, stride: int = 1,
-                seed: int = 0, two_objects: float | None = None):
+                seed: int = 0, two_objects: float | None = None, fps: float | None = None):
     """The source ``--data`` names: ``synthetic``, a cache folder, a clip folder or a manifest
-    (``two_objects``: the synthetic stream's share of two-object clips; None: its own, a half)."""
+    (``two_objects``: the synthetic stream's share of two-object clips; None: its own, a half;
+    ``fps``: the rate clips are resampled to, None or 0 frame for frame)."""
     if data == "synthetic":
         return SyntheticShapes(frames=frames, height=height, width=width, seed=seed,
                                two_objects=two_objects)
@@ -252,7 +268,24 @@ def open_source(data: str, *, frames: int, height: int, width: int, stride: int 
     p = Path(data).expanduser()
     if p.is_dir() and (p / CACHE_MANIFEST).is_file():
         return LatentCache(p)
-    return VideoFolder(p, frames=frames, height=height, width=width, stride=stride)
+    return VideoFolder(p, frames=frames, height=height, width=width, stride=stride, fps=fps or None)
+
+
+def data_fingerprint(source) -> str:
+    """A hash of what a source holds (names, file sizes; for a cache, its shards' clips), so that a
+    resumed run notices data that changed under it. The synthetic stream: its description."""
+    import hashlib
+
+    h = hashlib.sha256(type(source).__name__.encode())
+    if isinstance(source, VideoFolder):
+        for name, path, caption in source.items:
+            h.update(f"{name}\0{path.stat().st_size}\0{caption}\n".encode())
+    elif isinstance(source, LatentCache):
+        for name, file, row in source.entries:
+            h.update(f"{name}\0{file}\0{row}\n".encode())
+    else:
+        h.update(source.description.encode())
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,5 +494,6 @@ def pad_text(texts: list[torch.Tensor], length: int) -> torch.Tensor:
 
 
 __all__ = ["Batches", "CACHE_MANIFEST", "DataError", "DataOrder", "Item", "LatentCache", "RankSamples",
-           "SyntheticShapes", "VIDEO_SUFFIXES", "VideoFolder", "collate", "list_videos", "loader",
+           "SyntheticShapes", "VIDEO_SUFFIXES", "VideoFolder", "collate", "data_fingerprint",
+           "list_videos", "loader",
            "open_source", "pad_text", "read_cache_manifest", "sample_seed"]

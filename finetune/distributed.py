@@ -85,10 +85,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def shard_transformer(transformer: torch.nn.Module, ctx: DistContext, precision: str) -> None:
+def shard_transformer(transformer: torch.nn.Module, ctx: DistContext, precision: str,
+                      offload: bool = False) -> None:
     """Apply FSDP2 to a ``WanTransformer3DModel`` in place (module docstring). The parameters must
-    be float32 (the master weights) and on ``ctx.device``."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    be float32 (the master weights) and on ``ctx.device``, or with ``offload`` on the CPU, where
+    FSDP2's ``CPUOffloadPolicy`` keeps them, their gradients and the optimizer state."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
@@ -98,9 +100,10 @@ def shard_transformer(transformer: torch.nn.Module, ctx: DistContext, precision:
     else:
         blocks = MixedPrecisionPolicy()
     root = MixedPrecisionPolicy(reduce_dtype=torch.float32) if precision == "bf16" else MixedPrecisionPolicy()
+    where = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if offload else OffloadPolicy()
     for block in transformer.blocks:
-        fully_shard(block, mesh=ctx.mesh, mp_policy=blocks)
-    fully_shard(transformer, mesh=ctx.mesh, mp_policy=root)
+        fully_shard(block, mesh=ctx.mesh, mp_policy=blocks, offload_policy=where)
+    fully_shard(transformer, mesh=ctx.mesh, mp_policy=root, offload_policy=where)
 
 
 def all_sum(values: list[float] | torch.Tensor, ctx: DistContext) -> torch.Tensor:

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EMA or live weights (auto: the EMA when the run kept one)")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="storage dtype (float32 modules stay float32)")
+    parser.add_argument("--merge", action="store_true",
+                        help="a --lora-rank run: write the base transformer with the adapter fused "
+                             "in (a transformer folder) instead of the adapter alone")
 
 
 def display_model(path: str | None) -> str | None:
@@ -61,15 +64,76 @@ def note(training: dict) -> str:
     what = registry.get(training["attention"]).finetuned_note
     if training.get("ablation"):
         what += f", ablation {training['ablation']}"
+    if training.get("lora_rank"):
+        what += f", LoRA rank {training['lora_rank']}"
     start = display_model(training.get("start_weights")) or display_model(training["base_model"])
     return (f"{what}; {training['steps']} steps, {training['samples']} samples of "
             f"{training['data']}, from {start}; {training['weights']} weights; trained by "
             f"`attnqat finetune train` ({training.get('date') or '?'})")
 
 
+def _adapted_base(cfg: dict, folder: Path, key: str):
+    """A LoRA run's base transformer (float32) with the checkpoint's adapter (``key``: model or
+    ema) on it."""
+    from dataclasses import fields
+
+    from attnqat.lora import add_lora, lora_parameters
+
+    from .train import TrainConfig, load_transformer
+
+    tc = TrainConfig(**{f.name: cfg[f.name] for f in fields(TrainConfig) if f.name in cfg})
+    base = load_transformer(tc)
+    add_lora(base, int(cfg["lora_rank"]), cfg.get("lora_alpha"))
+    adapter = lora_parameters(base)
+    full = {k: torch.empty(p.shape, dtype=torch.float32) for k, p in adapter.items()}
+    ckpt.load_full_state(folder, full, key=key)
+    with torch.no_grad():
+        for k, p in adapter.items():
+            p.copy_(full[k])
+    return base
+
+
+def training_record(cfg: dict, state: dict, weights: str, folder: Path) -> dict:
+    """The ``training`` part of an export's attnqat.json."""
+    return {"attention": cfg["attention"], "ablation": cfg.get("ablation"),
+            "scope": cfg["scope"], "steps": state["step"], "samples": state["samples"],
+            "data": cfg["data"], "base_model": cfg["model"],
+            "start_weights": cfg.get("transformer"), "recipe": cfg.get("recipe"),
+            "lr": cfg["lr"], "schedule": cfg["schedule"],
+            "batch": cfg["batch_size"] * cfg["grad_accum"] * state.get("world", 1),
+            "final_loss": state.get("loss"), "date": state.get("date"),
+            "weights": weights, "checkpoint": str(folder),
+            "lora_rank": cfg.get("lora_rank") or None, "lora_alpha": cfg.get("lora_alpha")}
+
+
+def _write_adapter(model, cfg: dict, training: dict, out: Path) -> Path:
+    """The adapter as diffusers' LoRA file plus an attnqat.json record, written atomically."""
+    from attnqat.lora import save_lora
+    from attnqat.tiny import _chmod_files, _chmod_like_mkdir
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_lora(model, tmp)
+        sidecar.write(tmp, sidecar.Sidecar(
+            kind="attnqat-lora", weights=registry.get(cfg["attention"]).finetuned_weights,
+            qat_weights_note=note(training), training=training, exported=now(),
+            weights_sha256=sidecar.weights_sha256(tmp)))
+        _chmod_like_mkdir(tmp)
+        _chmod_files(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def export(run: str | Path, out: str | Path, *, weights: str = "auto",
-           dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the transformer folder (module docstring); returns it."""
+           dtype: torch.dtype = torch.bfloat16, merge: bool = False) -> Path:
+    """Write the transformer folder (module docstring) — for a LoRA run the adapter, or with
+    ``merge`` the base with the adapter fused in; returns it."""
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 
@@ -85,8 +149,21 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
         raise ValueError(f"{folder} holds no EMA weights (the run had --ema 0); use --weights live")
     with init_empty_weights():
         model = WanTransformer3DModel.from_config(tcfg)
-    full = {k: torch.empty(p.shape, dtype=torch.float32) for k, p in model.named_parameters()}
-    ckpt.load_full_state(folder, full, key="ema" if weights == "ema" else "model")
+    key = "ema" if weights == "ema" else "model"
+    if merge and not cfg.get("lora_rank"):
+        raise ValueError(f"--merge applies to LoRA runs (--lora-rank); {folder} holds full weights")
+    if cfg.get("lora_rank"):
+        adapted = _adapted_base(cfg, folder, key)
+        if not merge:
+            return _write_adapter(adapted, cfg, training_record(cfg, state, weights, folder),
+                                  Path(out).resolve())
+        from attnqat.lora import merge_into
+
+        merge_into(adapted)
+        full = {k: v.float() for k, v in adapted.state_dict().items()}
+    else:
+        full = {k: torch.empty(p.shape, dtype=torch.float32) for k, p in model.named_parameters()}
+        ckpt.load_full_state(folder, full, key=key)
     ready = {k: t.to(param_dtype(model, k, dtype)) for k, t in full.items()}
     model.load_state_dict(ready, strict=False, assign=True)
     out = Path(out).resolve()
@@ -94,14 +171,7 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        training = {"attention": cfg["attention"], "ablation": cfg.get("ablation"),
-                         "scope": cfg["scope"], "steps": state["step"], "samples": state["samples"],
-                         "data": cfg["data"], "base_model": cfg["model"],
-                         "start_weights": cfg.get("transformer"), "recipe": cfg.get("recipe"),
-                         "lr": cfg["lr"], "schedule": cfg["schedule"],
-                         "batch": cfg["batch_size"] * cfg["grad_accum"] * state.get("world", 1),
-                         "final_loss": state.get("loss"), "date": state.get("date"),
-                         "weights": weights, "checkpoint": str(folder)}
+        training = training_record(cfg, state, weights, folder)
         sidecar.write(tmp, sidecar.Sidecar(
             kind="attnqat-transformer", weights=registry.get(cfg["attention"]).finetuned_weights,
             qat_weights_note=note(training), training=training, exported=now(),
@@ -119,7 +189,8 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
 
 def run(args: argparse.Namespace) -> int:
     try:
-        out = export(args.run, args.out, weights=args.weights, dtype=getattr(torch, args.dtype))
+        out = export(args.run, args.out, weights=args.weights, dtype=getattr(torch, args.dtype),
+                     merge=args.merge)
     except (FileNotFoundError, ValueError, KeyError) as exc:
         print(f"attnqat finetune export: {exc}", file=sys.stderr)
         return 2

@@ -61,7 +61,10 @@ def _json_safe(value: Any) -> Any:
 class RunLog:
     """Append-only JSONL log plus optional TensorBoard scalars of one run folder."""
 
-    def __init__(self, folder: str | Path, *, tensorboard: bool = True) -> None:
+    def __init__(self, folder: str | Path, *, tensorboard: bool = True,
+                 purge_step: int | None = None) -> None:
+        """``purge_step``: a resumed run's step; TensorBoard hides the scalars a killed or abandoned
+        run wrote after it."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = self.folder / LOG_FILE
@@ -73,7 +76,7 @@ class RunLog:
                 raise RuntimeError("TensorBoard logging needs the `tensorboard` package "
                                    "(pip install tensorboard), or turn it off with "
                                    "--no-tensorboard") from exc
-            self._tb = SummaryWriter(str(self.folder / "tb"))
+            self._tb = SummaryWriter(str(self.folder / "tb"), purge_step=purge_step)
 
     def write(self, step: int, kind: str = "train", **values: Any) -> None:
         """One record; numbers (also nested) go to TensorBoard under ``kind/…``."""

@@ -39,7 +39,9 @@ import torch
 from attnqat import methods as registry
 
 from . import checkpoint as ckpt
-from .data import DataError, DataOrder, LatentCache, loader, open_source, pad_text, sample_seed
+from .cache import check_fps, model_fps
+from .data import (CACHE_MANIFEST, DataError, DataOrder, LatentCache, data_fingerprint, loader,
+                   open_source, pad_text, read_cache_manifest, sample_seed)
 from .distributed import PRECISIONS, DistContext, all_max, all_sum, local
 from .objective import (OBJECTIVES, SIGMA_SAMPLINGS, distill_target, flow_matching_loss, make_teacher,
                         noisy_input, predict, sample_sigma)
@@ -48,6 +50,7 @@ from .schedule import EMA, SCHEDULES, lr_factor
 
 #: the built-in student attentions (live: :func:`attnqat.methods.trainable`)
 STUDENT_METHODS = registry.trainable()
+OPTIMIZERS = ("adamw", "adamw8bit")
 #: the attention a student deploys at inference (validation clips, generate, the app)
 DEPLOYED = {m: registry.get(m).deploys_as for m in STUDENT_METHODS}
 EXIT_NONFINITE = 3
@@ -90,9 +93,12 @@ class TrainConfig:
     width: int | None = None
     frames: int | None = None
     stride: int = 1
+    fps: float | None = None
     two_objects: float | None = None
     attention: str = "attnqat"
     scope: str = "self"
+    lora_rank: int = 0
+    lora_alpha: float | None = None
     backend: str = "auto"
     ablation: str | None = None
     objective: str = "flow"
@@ -115,6 +121,8 @@ class TrainConfig:
     logit_mean: float = 0.0
     logit_std: float = 1.0
     precision: str = "auto"
+    optimizer: str = "adamw"
+    offload: bool = False
     gradient_checkpointing: bool | None = None
     compile: bool = False
     seed: int = 0
@@ -133,14 +141,25 @@ class TrainConfig:
     max_sequence_length: int | None = None
     recipe: str = ""
     resumed_from: str | None = None
+    data_fingerprint: str | None = None
 
     def global_batch(self, world: int) -> int:
         return self.batch_size * self.grad_accum * world
 
 
+#: settings a latent cache fixes (a run on a cache takes them from it)
+CACHE_SIZES = ("height", "width", "frames", "fps", "max_sequence_length")
+
+
+def cache_sizes(meta: dict) -> dict[str, Any]:
+    """A cache manifest's :data:`CACHE_SIZES` (caches from before ``--fps``: frame for frame, 0)."""
+    return {k: meta.get(k, 0 if k == "fps" else None) for k in CACHE_SIZES}
+
 #: settings a resumed run may not change (the run would no longer be one run)
-IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "attention",
-            "scope", "ablation", "objective", "seed", "sigma_sampling", "shift", "caption_dropout")
+IDENTITY = ("model", "transformer", "data", "two_objects", "height", "width", "frames", "stride", "fps",
+            "attention", "lora_rank", "lora_alpha", "optimizer",
+            "scope", "ablation", "objective", "seed", "sigma_sampling", "shift", "logit_mean", "logit_std",
+            "caption_dropout")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,6 +199,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--width", type=int, help="training width, a multiple of 16 [model's]")
     g.add_argument("--frames", type=int, help="frames per clip, 4k+1 [model's]")
     g.add_argument("--stride", type=int, help="take every N-th frame of raw clips [1]")
+    g.add_argument("--fps", type=float,
+                   help="raw clips: resample to this frame rate before taking --frames (0: frame "
+                        "for frame, whatever the clip's rate) [the model's: Wan 16]")
     g.add_argument("--two-objects", type=float, metavar="FRAC",
                    help="synthetic data: share of two-object clips [the stream's: 0.5]")
     g.add_argument("--max-sequence-length", type=int,
@@ -196,6 +218,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ablation", choices=("d_from_o", "p_unquantized"),
                    help="attnqat only: principle 2 off (D from the 4-bit O) or principle 1 off (P "
                         "not re-quantized before dV); PyTorch reference backend")
+    g.add_argument("--lora-rank", type=int,
+                   help="train a LoRA adapter of this rank on the attention and FFN projections of "
+                        "every block instead of all weights (0: full fine-tuning) [0]")
+    g.add_argument("--lora-alpha", type=float, help="LoRA scale numerator (scale alpha/rank) [rank]")
     g = parser.add_argument_group("objective")
     g.add_argument("--objective", choices=OBJECTIVES,
                    help="flow: rectified-flow matching (target noise - clean latent); distill: the "
@@ -223,6 +249,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--precision", choices=("auto",) + PRECISIONS,
                    help="bf16 (autocast, FSDP2 bfloat16 parameter gathering, FP32 master weights) "
                         "or fp32; auto: bf16 on CUDA, fp32 on the CPU [auto]")
+    g.add_argument("--optimizer", choices=OPTIMIZERS,
+                   help="adamw: float32 moments (8 bytes a parameter); adamw8bit: the moments of "
+                        "matrices in 8 bits with stochastic rounding (2 bytes) [adamw]")
+    g.add_argument("--offload", action=bool_flag,
+                   help="FSDP2 CPU offload: master weights, gradients and optimizer state live in "
+                        "CPU memory, each block is gathered to the GPU when it runs; the optimizer "
+                        "steps on the CPU [no]")
     g.add_argument("--gradient-checkpointing", action=bool_flag,
                    help="recompute each WanTransformerBlock in the backward [recipe]")
     g.add_argument("--compile", action=bool_flag, help="torch.compile every block [no]")
@@ -258,11 +291,29 @@ def _read_config_file(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"--config {path} must hold an object of settings")
     data = {k.replace("-", "_"): v for k, v in data.items()}
-    known = {f.name for f in fields(TrainConfig)} - {"recipe", "resumed_from"}
+    known = {f.name for f in fields(TrainConfig)} - {"recipe", "resumed_from", "data_fingerprint"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"--config {path}: unknown setting(s) {', '.join(unknown)}")
     return data
+
+
+#: settings naming a local file or folder: stored absolute, so that a run resumes from any working
+#: directory and the same path written either way is the same setting
+PATH_SETTINGS = ("out", "data", "model", "transformer", "val_prompts")
+
+
+def _absolute_paths(settings: dict[str, Any]) -> dict[str, Any]:
+    """``settings`` with each :data:`PATH_SETTINGS` value that names an existing path (``out``:
+    any) made absolute; ``synthetic``, ``heldout:K`` and hub ids stay as they are."""
+    out = dict(settings)
+    for k in PATH_SETTINGS:
+        v = out.get(k)
+        if isinstance(v, str) and v and v != "synthetic" and not v.startswith("heldout:"):
+            p = Path(v).expanduser()
+            if k == "out" or p.exists():
+                out[k] = str(p.resolve())
+    return out
 
 
 def resolve_config(args: argparse.Namespace, world: int = 1) -> TrainConfig:
@@ -285,20 +336,25 @@ def resolve_config(args: argparse.Namespace, world: int = 1) -> TrainConfig:
         saved = Path(out) / "config.json"
         if not saved.is_file():
             raise ValueError(f"--resume: {saved} does not exist (is {out} a run folder?)")
-        prior = json.loads(saved.read_text())
+        prior = _absolute_paths(json.loads(saved.read_text()))
+        prior.setdefault("fps", 0)   # runs from before --fps read clips frame for frame
         layers.update({k: v for k, v in prior.items() if k not in ("recipe", "resumed_from")})
     if args.config is not None:
-        layers.update(_read_config_file(args.config))
-    layers.update(given)
+        layers.update(_absolute_paths(_read_config_file(args.config)))
+    layers.update(_absolute_paths(given))
     if prior is not None:
         changed = [k for k in IDENTITY if layers.get(k) != prior.get(k)]
         if changed:
             raise ValueError(f"a resumed run keeps its {', '.join(changed)}: start a new run (new "
                              "--out) to change them")
-        layers["resumed_from"] = args.resume
+        layers["resumed_from"] = _absolute_paths({"out": args.resume})["out"] \
+            if args.resume != "latest" else args.resume
+        layers["_changed"] = {k: [prior.get(k), v] for k, v in layers.items()
+                              if k in prior and k not in ("recipe", "resumed_from") and v != prior[k]}
     if not layers.get("out"):
         raise ValueError("--out RUN_FOLDER is required")
     cfg = TrainConfig(**{k: v for k, v in layers.items() if k in {f.name for f in fields(TrainConfig)}})
+    cfg._changed = layers.get("_changed", {})   # what a resume changed (logged), not a setting
     cfg.model = cfg.model or DEFAULT_MODEL
     info = model_info(cfg.model)
     kind = "tiny-wan" if info.kind == "tiny-wan" else "wan"
@@ -306,10 +362,15 @@ def resolve_config(args: argparse.Namespace, world: int = 1) -> TrainConfig:
         if getattr(cfg, k) is None:
             setattr(cfg, k, v)
     cfg.recipe = f"{kind}: {RECIPE_SOURCES[kind]}"
+    if cfg.data != "synthetic" and (Path(cfg.data) / CACHE_MANIFEST).is_file():
+        for k, v in cache_sizes(read_cache_manifest(cfg.data)).items():   # no repeating them
+            if getattr(cfg, k) is None:
+                setattr(cfg, k, v)
     d = info.defaults
     cfg.height = cfg.height or d["height"]
     cfg.width = cfg.width or d["width"]
     cfg.frames = cfg.frames or d["frames"]
+    cfg.fps = model_fps(d) if cfg.fps is None else check_fps(cfg.fps)
     cfg.max_sequence_length = cfg.max_sequence_length or int(d.get("max_sequence_length", 512))
     if cfg.val_prompts is None and kind == "tiny-wan":
         cfg.val_prompts = "heldout:4"
@@ -322,7 +383,8 @@ def _validate(cfg: TrainConfig, world: int) -> None:
 
     check_size(cfg.height, cfg.width, cfg.frames, cfg.stride)
     ints = {"steps": 1, "batch_size": 1, "grad_accum": 1, "warmup": 0, "checkpoint_every": 0,
-            "keep": 1, "log_every": 1, "val_every": 0, "workers": 0, "max_sequence_length": 1}
+            "keep": 1, "log_every": 1, "val_every": 0, "workers": 0, "max_sequence_length": 1,
+            "lora_rank": 0}
     for k, lo in ints.items():
         v = getattr(cfg, k)
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -338,6 +400,9 @@ def _validate(cfg: TrainConfig, world: int) -> None:
         v = getattr(cfg, k)
         if not 0.0 <= v < 1.0 or (k == "caption_dropout" and v > 1.0):
             raise ValueError(f"--{k.replace('_', '-')} must be in [0, 1), got {v!r}")
+    if cfg.lora_alpha is not None and not (cfg.lora_rank and math.isfinite(cfg.lora_alpha)
+                                           and cfg.lora_alpha > 0):
+        raise ValueError(f"--lora-alpha must be > 0 and needs --lora-rank, got {cfg.lora_alpha!r}")
     if cfg.two_objects is not None and not 0.0 <= cfg.two_objects <= 1.0:
         raise ValueError(f"--two-objects must be in [0, 1], got {cfg.two_objects}")
     if cfg.ema and not 0.0 < cfg.ema < 1.0:
@@ -345,7 +410,7 @@ def _validate(cfg: TrainConfig, world: int) -> None:
     choices = {"attention": registry.trainable(), "scope": ("self", "all"),
                "backend": ("auto", "torch", "triton"), "schedule": SCHEDULES,
                "sigma_sampling": SIGMA_SAMPLINGS, "precision": ("auto",) + PRECISIONS,
-               "objective": OBJECTIVES}
+               "objective": OBJECTIVES, "optimizer": OPTIMIZERS}
     for k, allowed in choices.items():
         if getattr(cfg, k) not in allowed:
             raise ValueError(f"unknown --{k.replace('_', '-')} {getattr(cfg, k)!r}; expected one of "
@@ -448,30 +513,49 @@ class Trainer:
         # the distill objective's teacher: the starting weights, frozen, BF16 attention, unsharded
         self.teacher = None if cfg.objective != "distill" else make_teacher(
             transformer, cfg.backend, torch.bfloat16 if self.precision == "bf16" else None).to(ctx.device)
-        self.model = transformer.to(ctx.device)
+        # offloaded, the weights stay in CPU memory and FSDP2 moves each block in when it runs;
+        # buffers (the RoPE tables) are no parameters of FSDP2's and go to the device themselves
+        self.model = transformer if cfg.offload else transformer.to(ctx.device)
+        if cfg.offload:
+            for module in self.model.modules():
+                for name, buf in list(module._buffers.items()):
+                    if buf is not None:
+                        module._buffers[name] = buf.to(ctx.device)
+        if cfg.lora_rank:
+            from attnqat.lora import add_lora
+
+            add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
         self.proc = install_attention(self.model, cfg.attention, fp4_scope=cfg.scope,
                                       backend=cfg.backend, timing=False, ablation=cfg.ablation)
         if cfg.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
         self.model.train()
-        self.model.requires_grad_(True)
-        shard_transformer(self.model, ctx, self.precision)
+        if not cfg.lora_rank:
+            self.model.requires_grad_(True)
+        shard_transformer(self.model, ctx, self.precision, offload=cfg.offload)
         # diffusers' transformer returns a view of its output; nothing here modifies it in place,
         # which is what FSDP2 warns about on every forward
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         if cfg.compile:
             for block in self.model.blocks:
                 block.compile()
-        self.named = dict(self.model.named_parameters())
+        self.named = {k: p for k, p in self.model.named_parameters() if p.requires_grad}
         n_blocks = len(self.model.blocks)
         self.group_names = [f"block_{i:02d}" for i in range(n_blocks)] + ["embed_head"]
         self.group_of = [int(k.split(".")[1]) if k.startswith("blocks.") else n_blocks
                          for k in self.named]
         decay = [p for p in self.named.values() if p.dim() >= 2]
         no_decay = [p for p in self.named.values() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps)
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        if cfg.optimizer == "adamw8bit":
+            from .optim import AdamW8bit
+
+            self.optimizer = AdamW8bit(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                       eps=cfg.adam_eps, seed=cfg.seed)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                               eps=cfg.adam_eps)
         self.ema = EMA(self.named, cfg.ema) if cfg.ema else None
         self.empty_text = empty_text.to(ctx.device, torch.float32)
         self.parameters = sum(p.numel() for p in self.named.values())
@@ -518,7 +602,7 @@ class Trainer:
         params = [p for p in self.named.values()]
         grads = [local(p.grad) if p.grad is not None else torch.zeros(1, device=self.ctx.device)
                  for p in params]
-        norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+        norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]).to(self.ctx.device)
         sq = torch.zeros(len(self.group_names), device=self.ctx.device, dtype=torch.float32)
         sq.index_add_(0, torch.tensor(self.group_of, device=self.ctx.device), norms.square())
         sq = all_sum(sq, self.ctx)
@@ -551,7 +635,7 @@ class Validator:
     sharded); rank 0 decodes, moving the VAE to the GPU for it when it lives on the CPU."""
 
     def __init__(self, cfg: TrainConfig, parts, prompts: list[str], prompt_text: torch.Tensor,
-                 empty_text: torch.Tensor, latent_shape: tuple[int, ...], ctx: DistContext) -> None:
+                 negative_text: torch.Tensor, latent_shape: tuple[int, ...], ctx: DistContext) -> None:
         from diffusers import WanPipeline
 
         from attnqat.synthetic import parse_caption
@@ -560,7 +644,7 @@ class Validator:
         info = model_info(cfg.model)
         d = info.defaults
         self.cfg, self.ctx, self.parts, self.prompts = cfg, ctx, parts, prompts
-        self.prompt_text, self.empty_text = prompt_text, empty_text
+        self.prompt_text, self.negative_text = prompt_text, negative_text
         self.latent_shape = latent_shape
         self.steps = cfg.val_steps or int(d["steps"])
         self.guidance = cfg.val_guidance if cfg.val_guidance is not None else float(d["guidance"])
@@ -594,7 +678,7 @@ class Validator:
                     lat0 = torch.randn((1, *self.latent_shape),
                                        generator=torch.Generator("cpu").manual_seed(i))
                     lat = denoise(model, self.parts.scheduler, lat0, self.prompt_text[i:i + 1].to(dev),
-                                  self.empty_text.to(dev)[None], steps=self.steps,
+                                  self.negative_text.to(dev)[None], steps=self.steps,
                                   guidance=self.guidance, shift=self.shift, device=dev)
                     if not self.ctx.is_main:
                         continue
@@ -673,6 +757,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     written for that step)."""
     from tqdm.auto import tqdm
 
+    from attnqat.wan import model_info
+
     from .encode import Encoder, load_components
 
     say = log if ctx.is_main else (lambda *_a, **_k: None)
@@ -683,14 +769,20 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     elif ckpt.complete_checkpoints(run_dir):
         raise ValueError(f"{run_dir} already holds checkpoints: pass --resume to continue that run, "
                          "or choose a new --out")
+    if ctx.is_main:
+        ckpt.check_writable(run_dir)
     source = open_source(cfg.data, frames=cfg.frames, height=cfg.height, width=cfg.width,
-                         stride=cfg.stride, seed=cfg.seed, two_objects=cfg.two_objects)
+                         stride=cfg.stride, seed=cfg.seed, two_objects=cfg.two_objects, fps=cfg.fps)
+    fingerprint = data_fingerprint(source)
+    if cfg.data_fingerprint and cfg.data_fingerprint != fingerprint and resume_from is not None:
+        raise DataError(f"the data {cfg.data} changed since the run began (fingerprint "
+                        f"{cfg.data_fingerprint[:12]} then, {fingerprint[:12]} now: clips added, removed "
+                        "or re-encoded): the data order would not be the run's; start a new run (new --out)")
+    cfg.data_fingerprint = fingerprint
     cached = isinstance(source, LatentCache)
     if cached:
-        meta = source.meta
-        diff = [f"{k} {meta.get(k)} (cache) vs {getattr(cfg, k)} (run)"
-                for k in ("height", "width", "frames", "max_sequence_length")
-                if meta.get(k) != getattr(cfg, k)]
+        diff = [f"{k} {v} (cache) vs {getattr(cfg, k)} (run)"
+                for k, v in cache_sizes(source.meta).items() if v != getattr(cfg, k)]
         if diff:
             raise DataError(f"the cache {cfg.data} does not fit this run: {'; '.join(diff)}")
     prompts = val_prompt_list(cfg.val_prompts) if cfg.val_every else []
@@ -701,6 +793,9 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     else:
         empty = encoder.text([""])[0].cpu()
     prompt_text = encoder.text(prompts).cpu() if prompts else None
+    # validation clips are denoised against the negative prompt `generate` uses (Wan's own)
+    negative = model_info(cfg.model).defaults.get("negative_prompt", "")
+    negative_text = encoder.text([negative])[0].cpu() if prompts and negative else empty
     if cached and encoder is not None:   # the text encoder and VAE leave the GPU
         encoder.text_encoder.to("cpu")
         encoder.vae.to("cpu")
@@ -730,11 +825,18 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
         (run_dir / "transformer_config.json").write_text(json.dumps(tcfg, indent=1) + "\n")
-        runlog = RunLog(run_dir, tensorboard=cfg.tensorboard)
+        abandoned = [p.name for p in ckpt.set_aside_after(run_dir, step)] if resume_from else []
+        if abandoned:
+            say(f"resumed from an older checkpoint: the later {', '.join(abandoned)} moved to "
+                f"{run_dir / ckpt.ABANDONED}")
+        runlog = RunLog(run_dir, tensorboard=cfg.tensorboard,
+                        purge_step=step + 1 if resume_from else None)
         dropped = runlog.truncate_after(step)
         runlog.write(step, "event", event="resume" if resume_from else "start", date=now(),
                      world=ctx.world, device=device_name(ctx.device), dropped_records=dropped,
-                     checkpoint=str(resume_from) if resume_from else None)
+                     checkpoint=str(resume_from) if resume_from else None,
+                     changed=getattr(cfg, "_changed", {}) or None,
+                     **({"abandoned_checkpoints": abandoned} if abandoned else {}))
     order = DataOrder(source.size, cfg.seed)
     batches = None
     validator = None
@@ -747,7 +849,9 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         return encoder.latents(batch["video"]), encoder.text(batch["captions"])
 
     say(f"training {sum(p.numel() for p in transformer.parameters()) / 1e6:.1f} M parameters "
-        f"({cfg.attention} attention, scope {cfg.scope}"
+        + (f"({trainer.parameters / 1e6:.2f} M of them a LoRA adapter of rank {cfg.lora_rank}) "
+           if cfg.lora_rank else "")
+        + f"({cfg.attention} attention, scope {cfg.scope}"
         + (f", ablation {cfg.ablation}" if cfg.ablation else "") + f") on {ctx.world} × "
         f"{device_name(ctx.device)}, {trainer.precision}; data {source.description}; global batch "
         f"{gb}; steps {step}..{cfg.steps}")
@@ -812,7 +916,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
             bar.update(1)
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps) and prompts:
                 if validator is None:
-                    validator = Validator(cfg, parts, prompts, prompt_text, empty, lat_shape, ctx)
+                    validator = Validator(cfg, parts, prompts, prompt_text, negative_text, lat_shape, ctx)
                 vres = validator.run(trainer, step)
                 if runlog is not None:
                     runlog.write(step, "val", **vres)
@@ -879,6 +983,9 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt as exc:
             print(f"{prog}: interrupted (second Ctrl-C); the last complete checkpoint is kept",
                   file=sys.stderr)
+            return exit_status(exc)
+        except ckpt.CheckpointError as exc:   # an unwritable --out, a full disk
+            print(f"{prog}: {exc}", file=sys.stderr)
             return exit_status(exc)
         except BrokenPipeError as exc:
             # the output was closed (e.g. `| head`): stop, and keep Python's exit from failing on

@@ -178,3 +178,75 @@ def test_a_planted_nan_stops_the_run_and_keeps_the_checkpoint(model, tmp_path, c
     full = {"blocks.0.attn1.to_q.weight": torch.empty(64, 64)}
     ckpt.load_full_state(ckpt.checkpoint_dir(run, 2), full)
     assert torch.isfinite(full["blocks.0.attn1.to_q.weight"]).all()
+
+
+def _counter_clip(path: Path, fps: float, n: int = 40, caption: str = "a grey square") -> Path:
+    """A clip whose frame i is uniformly grey at level 5·i, so a frame's source index is readable."""
+    from attnqat.video import write_mp4
+
+    frames = np.stack([np.full((32, 32, 3), 5 * i, np.uint8) for i in range(n)])
+    write_mp4(frames, path, fps, crf=0)
+    path.with_suffix(".txt").write_text(caption + "\n")
+    return path
+
+
+def _source_index(video: np.ndarray) -> list[int]:
+    return [round(float(f.mean()) / 5) for f in video]
+
+
+@pytest.mark.parametrize("rate,want", [(32, [0, 2, 4, 6, 8]), (8, [0, 0, 1, 1, 2]), (16, [0, 1, 2, 3, 4])])
+def test_clips_are_resampled_to_the_model_frame_rate(tmp_path, rate, want):
+    """A 32 fps clip read for a 16 fps model takes every second frame, an 8 fps clip shows each
+    frame twice: the motion per second is the source's."""
+    folder = tmp_path / "v"
+    folder.mkdir()
+    _counter_clip(folder / "c.mp4", rate)
+    src = D.open_source(str(folder), frames=5, height=32, width=32, fps=16)
+    assert _source_index(src.load(0).video) == want and "resampled to 16 fps" in src.description
+    native = D.open_source(str(folder), frames=5, height=32, width=32, fps=0)
+    assert _source_index(native.load(0).video) == [0, 1, 2, 3, 4]
+
+
+def test_cache_records_frame_rates_and_training_takes_its_sizes(model, tmp_path, capsys):
+    """The cache resamples to the model's 16 fps and records each clip's own rate; a run on it
+    needs no sizes repeated, and one asking for other sizes or another rate is refused."""
+    data = tmp_path / "v"
+    data.mkdir()
+    for k, rate in enumerate((8, 24, 30)):
+        _counter_clip(data / f"c{k}.mp4", rate, caption=f"clip {k}")
+    cache = tmp_path / "cache"
+    m = build_cache(data, cache, model=str(model), latent_dtype="float32", progress=False)
+    assert m["fps"] == 16.0 and m["shards"][0]["source_fps"] == [8.0, 24.0, 30.0]
+    with pytest.raises(D.DataError, match="fps 16.0 .cache. vs 0.0"):
+        build_cache(data, cache, model=str(model), fps=0, latent_dtype="float32", progress=False)
+    run = ["--model", str(model), "--data", str(cache), "--device", "cpu", "--no-tensorboard",
+           "--no-progress", "--steps", "1", "--batch-size", "1"]
+    assert T.main([*run, "--out", str(tmp_path / "r")]) == 0   # default workers, sizes from the cache
+    cfg = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert (cfg["height"], cfg["width"], cfg["frames"], cfg["fps"]) == (32, 32, 5, 16.0)
+    capsys.readouterr()
+    assert T.main([*run, "--out", str(tmp_path / "r2"), "--fps", "24"]) == 2
+    assert "fps 16.0 (cache) vs 24.0 (run)" in capsys.readouterr().err
+
+
+def test_the_folder_finetune_data_writes_is_training_data(model, tmp_path):
+    """`attnqat finetune data` writes clips and a captions.json index: cache and train read it;
+    cache shards get the usual file mode."""
+    import os
+    import stat
+
+    from attnqat.cli import main
+
+    folder = tmp_path / "shapes"
+    assert main(["finetune", "data", "--out", str(folder), "--n", "3", "--frames", "9", "--size", "32"]) == 0
+    assert (folder / "captions.json").is_file() and not list(folder.glob("*.txt"))
+    items = D.list_videos(folder)
+    assert [n for n, _, _ in items] == ["train_00000.mp4", "train_00001.mp4", "train_00002.mp4"]
+    cache = tmp_path / "cache"
+    build_cache(folder, cache, model=str(model), progress=False)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((cache / "shard-00000.safetensors").stat().st_mode) == 0o666 & ~umask
+    assert T.main(["--model", str(model), "--out", str(tmp_path / "r"), "--data", str(folder),
+                   "--device", "cpu", "--no-tensorboard", "--no-progress", "--steps", "1",
+                   "--batch-size", "1"]) == 0

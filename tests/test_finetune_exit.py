@@ -124,7 +124,48 @@ def test_a_disk_that_fills_while_checkpointing_ends_the_run(model, tmp_path):
     run = Run(model, tmp_path / "full", "--steps", "20", "--batch-size", "1", "--checkpoint-every", "3",
               preexec=small_files)
     status, _ = run.end(BOUND + 120)
-    assert status != 0 and _end_record(tmp_path / "full")["status"] == status, run.stderr
+    assert status == 1 == _end_record(tmp_path / "full")["status"], run.stderr
+    line = "attnqat finetune train: cannot write the checkpoint of step 3 in "
+    assert run.stderr.startswith(line) and run.stderr.count("\n") == 1, run.stderr
+    assert "MiB free there" in run.stderr and "last complete checkpoint stays" in run.stderr
+    assert not list((tmp_path / "full" / ckpt.CHECKPOINTS).iterdir())   # no partial step-3.tmp
+
+
+def test_no_space_left_is_one_line_and_leaves_no_partial_checkpoint(model, tmp_path, capsys, monkeypatch):
+    """ENOSPC from the writer of the random states (the last file of a checkpoint): the run stops
+    with one line, the earlier checkpoint intact, nothing of the failed one on disk."""
+    import errno
+
+    from attnqat.finetune import train as T
+
+    real_save = ckpt.torch.save
+
+    def save(obj, f, *a, **k):
+        if isinstance(f, Path) and f.name == "rng-rank-0.pt" and f.parent.name == "step-0000004.tmp":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ckpt.torch, "save", save)
+    out = tmp_path / "nospace"
+    assert T.main(["--model", str(model), "--out", str(out), *FLAGS, "--steps", "6",
+                   "--batch-size", "1", "--checkpoint-every", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checkpoint of step 4" in err and "No space left on device" in err
+    assert [p.name for p in (out / ckpt.CHECKPOINTS).iterdir()] == ["step-0000002"]
+    assert [s for s, _ in ckpt.complete_checkpoints(out)] == [2]
+    assert _end_record(out)["status"] == 1
+
+
+def test_an_unwritable_out_is_refused_before_the_model_loads(model, tmp_path, capsys, monkeypatch):
+    from attnqat.finetune import encode
+    from attnqat.finetune import train as T
+
+    monkeypatch.setattr(encode, "load_components", lambda *a, **k: pytest.fail("the model loaded"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert T.main(["--model", str(model), "--out", str(blocker / "run"), *FLAGS, "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{blocker} is not a folder" in err
 
 
 def test_an_error_in_a_step_ends_the_run_and_the_logs_say_so(model, tmp_path):
@@ -185,8 +226,7 @@ def test_a_second_ctrl_c_ends_the_run_at_once(model, tmp_path):
     assert status == 128 + signal.SIGINT, run.stderr
     assert "interrupted" in run.stderr and "Traceback" not in run.stderr
     assert _end_record(tmp_path / "int")["status"] == 130
-    assert not list((tmp_path / "int" / ckpt.CHECKPOINTS).glob("*.tmp")) if \
-        (tmp_path / "int" / ckpt.CHECKPOINTS).is_dir() else True
+    assert not list((tmp_path / "int").rglob("*.tmp"))   # a checkpoint cut short is removed
 
 
 def test_sigterm_to_the_group_still_saves_a_checkpoint_with_workers(model, tmp_path):

@@ -346,3 +346,43 @@ def test_weights_trained_without_attnqat_are_never_labelled_attnqat(model, tmp_p
         assert m.qat_info["fine_tuned"] is False and m.qat_info["identical_to_base"] is False
         assert m.qat_info["label"] == wan.QAT_LABEL_NOT_ATTNQAT[kind]
         assert m.qat_info["label"].startswith("not Attn-QAT") and "not Attn-QAT" in m.qat_info["note"]
+    # the side-by-side band says so too (for the last, the drop-in ablation)
+    from attnqat import generate as G
+
+    bands = []
+    real = G.vid.side_by_side
+    G.vid.side_by_side = lambda videos, *a, **k: (bands.extend(videos), real(videos, *a, **k))[1]
+    try:
+        G.generate("a red circle moves left on a blue background", methods="bf16,attnqat",
+                   models=m, progress=False, out=tmp_path / "gen")
+    finally:
+        G.vid.side_by_side = real
+    assert bands == ["bf16", wan.QAT_LABEL_NOT_ATTNQAT["dropin-finetuned"]]
+
+
+def test_validation_uses_the_negative_prompt_generate_uses(model, tmp_path, monkeypatch):
+    """A model whose defaults carry a negative prompt (real Wan: Wan's own) is validated against
+    it, as `generate` would render; caption dropout still trains on the empty prompt."""
+    import shutil
+
+    from attnqat.finetune.encode import Encoder, load_components
+
+    neg_model = tmp_path / "neg-model"
+    shutil.copytree(model, neg_model)
+    side = json.loads((neg_model / "attnqat.json").read_text())
+    side["defaults"]["negative_prompt"] = "blurry, static"
+    (neg_model / "attnqat.json").write_text(json.dumps(side))
+    seen = {}
+    real = T.Validator.__init__
+
+    def spy(self, cfg, parts, prompts, prompt_text, negative_text, *a):
+        seen["negative"] = negative_text
+        real(self, cfg, parts, prompts, prompt_text, negative_text, *a)
+
+    monkeypatch.setattr(T.Validator, "__init__", spy)
+    assert T.main(["--model", str(neg_model), "--out", str(tmp_path / "r"), "--device", "cpu",
+                   "--no-tensorboard", "--no-progress", "--steps", "1", "--batch-size", "1",
+                   "--val-every", "1", "--val-prompts", "heldout:1"]) == 0
+    enc = Encoder(load_components(neg_model), torch.device("cpu"), 16)
+    assert torch.equal(seen["negative"], enc.text(["blurry, static"])[0])
+    assert not torch.equal(seen["negative"], enc.text([""])[0])
