@@ -743,17 +743,15 @@ def _lora_transformer(pipe, path: Path):
     qat.eval()
     qat.requires_grad_(False)
     folder = path if path.is_dir() else path.parent
-    record = {}
-    if (folder / SIDECAR).is_file():
-        try:
-            record = json.loads((folder / SIDECAR).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelLoadError(f"cannot read {folder / SIDECAR}: {exc}") from exc
-    kind = record.get("weights")
+    try:
+        record = sc.read(folder) or sc.Sidecar()
+    except sc.SidecarError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    kind = record.weights
     fine_tuned = kind not in QAT_LABEL_NOT_ATTNQAT
-    note = record.get("qat_weights_note") or f"a LoRA adapter ({path}) fused into the base transformer"
+    note = record.qat_weights_note or f"a LoRA adapter ({path}) fused into the base transformer"
     return qat, {"checkpoint": str(path.resolve()), "scheme": "lora", "prefix_stripped": None,
-                 "note": note, "folder_note": record.get("qat_weights_note"),
+                 "note": note, "folder_note": record.qat_weights_note,
                  "identical_to_base": False, "fine_tuned": fine_tuned,
                  "label": QAT_LABEL_NOT_ATTNQAT[kind] if not fine_tuned else QAT_LABEL_FINE_TUNED}
 

@@ -76,7 +76,7 @@ def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     assert R.main([*args, "--probe-prompts", "2", "--stages", "train,eval,probe,report,ship"]) == 0
     assert sorted(p.name for p in (work / "export").iterdir()) == ["attnqat", "bf16", "p2off"]
     evals = sorted(p.stem for p in (work / "eval").iterdir())
-    assert evals == sorted(["base-bf16", "base-nvfp4", "base-sage3", "qat-nvfp4", "qat-bf16",
+    assert evals == sorted(["base-bf16", "base-nvfp4", "base-sage3", "base-sagebwd", "qat-nvfp4", "qat-bf16",
                             "control-bf16", "control-nvfp4", "p2off-nvfp4"])
     rec = json.loads((work / "eval" / "qat-nvfp4.json").read_text())
     assert rec["seeds"] == [5, 6, 7] and len(rec["clips"]) == 3

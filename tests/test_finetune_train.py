@@ -299,7 +299,7 @@ def test_bench_train_times_every_student_through_the_trainer(tmp_path, capsys):
     assert main(["bench", "train", "--config", "tiny", "--resolution", "32x32", "--frames", "5",
                  "--steps", "1", "--warmup", "1", "--device", "cpu", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
-    assert [r["method"] for r in rec["rows"]] == ["bf16", "attnqat", "dropin"]
+    assert [r["method"] for r in rec["rows"]] == ["bf16", "attnqat", "dropin", "sagebwd"]
     for r in rec["rows"]:
         assert r["step_s"] > 0 and r["loss_finite"] and len(r["losses"]) == 2
         assert r["tokens_per_step_per_gpu"] == 2 * (32 // 16) ** 2 and r["precision"] == "fp32"
