@@ -32,6 +32,7 @@ workers or ranks (:func:`spec_batches` for the trainer, :class:`SyntheticClips` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -560,8 +561,26 @@ def render(spec: ClipSpec | str, frames: int = DEFAULT_FRAMES,
     for o in spec.objects:
         if o.colour == spec.background:
             raise ValueError(f"a {o.colour} object on a {spec.background} background is invisible")
-    clips, _ = render_batch(params_of([spec]), frames, (h, w))
+    with _one_thread():
+        clips, _ = render_batch(params_of([spec]), frames, (h, w))
     return clips[0].to(torch.uint8).numpy()
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """PyTorch's intra-op threads limited to one: a single clip is too small to gain from them,
+    and where other processes share the cores (DataLoader workers, scoring pools, a loaded
+    machine) two threads made it up to 9x slower (33 x 128 x 128: 15 ms with one, 135 ms with
+    two on the loaded 2-core machine, 2026-11-26). Only speed depends on it."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def clip_at(seed: int, index: int, split: str = "train", frames: int = DEFAULT_FRAMES,
