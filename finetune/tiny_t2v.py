@@ -104,6 +104,24 @@ def _param_groups(modules: list[torch.nn.Module], weight_decay: float) -> list[d
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _trainees(pipe, cfg: TinyTrainConfig, dev: torch.device):
+    """The VAE frozen; the text encoder and transformer (and the text-binding head) in training
+    mode on ``dev``, their EMA and their optimizer."""
+    o = cfg.t2v
+    pipe.vae.to(dev).eval().requires_grad_(False)
+    te = pipe.text_encoder.to(dev).train().requires_grad_(True)
+    tr = pipe.transformer.to(dev).train().requires_grad_(True)
+    if o.text_attn_scale != 1.0:
+        scale_text_attention(te, o.text_attn_scale)
+        log(f"t2v: text encoder attention logits scaled by {o.text_attn_scale}")
+    head = TextBindingHead(pipe.tokenizer, te.config.d_model).to(dev) if o.text_aux > 0 else None
+    ema = ema_of([te, tr], o.ema) if o.ema > 0 else None
+    trained = [te, tr] + ([head] if head is not None else [])
+    opt = torch.optim.AdamW(_param_groups(trained, o.weight_decay), lr=o.lr,
+                            betas=(0.9, 0.99), eps=1e-8)
+    return te, tr, head, ema, trained, opt
+
+
 def _fill(pool: LatentPool, cfg: TinyTrainConfig, start: int):
     """Fill the pool from item ``start`` of the stream; the refresh batches that follow (None
     without ``--fresh``)."""
@@ -132,18 +150,8 @@ def train_t2v(pipe, cfg: TinyTrainConfig, ctx: Context, state: dict,
     """Train; returns the modules to save (the EMA copies, or the live ones without EMA). Totals
     go to ``state["t2v"]``, this run's settings and counts to ``record``."""
     r, o, dev = cfg.run, cfg.t2v, ctx.dev
-    pipe.vae.to(dev).eval().requires_grad_(False)
-    te = pipe.text_encoder.to(dev).train().requires_grad_(True)
-    tr = pipe.transformer.to(dev).train().requires_grad_(True)
     st = state.setdefault("t2v", {"steps": 0, "samples": 0, "clips": 0, "seconds": 0.0})
-    if o.text_attn_scale != 1.0:
-        scale_text_attention(te, o.text_attn_scale)
-        log(f"t2v: text encoder attention logits scaled by {o.text_attn_scale}")
-    head = TextBindingHead(pipe.tokenizer, te.config.d_model).to(dev) if o.text_aux > 0 else None
-    ema = ema_of([te, tr], o.ema) if o.ema > 0 else None
-    trained = [te, tr] + ([head] if head is not None else [])
-    opt = torch.optim.AdamW(_param_groups(trained, o.weight_decay), lr=o.lr,
-                            betas=(0.9, 0.99), eps=1e-8)
+    te, tr, head, ema, trained, opt = _trainees(pipe, cfg, dev)
     gen = torch.Generator(dev).manual_seed(r.seed * 7 + 2 + 1000 * len(state.get("runs", [])))
     empty_ids, empty_mask = (t.to(dev) for t in tokenize(pipe.tokenizer, [""], o.text_len))
     pool = LatentPool(pipe, cfg, dev)
