@@ -256,6 +256,7 @@ def test_grow_transformer_keeps_the_function_and_deepens_the_stack():
         tiny_models.grow_transformer(tr, 11)
 
 
+@pytest.mark.slow
 def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained, capsys):
     """--grow-layers, --two-objects, --compile, the text-binding loss and --object-weight on a
     resumed run, then --eval-offset."""
@@ -446,6 +447,7 @@ needs_trained = pytest.mark.skipif(SHIPPED.get("weights") != "trained",
                                    reason="the shipped tiny model is not the trained one")
 
 
+@pytest.mark.slow
 @needs_trained
 def test_shipped_model_draws_a_heldout_prompt():
     """Held-out prompt 6 with seed 6 (its colour x shape x motion triple was never shown in
@@ -467,6 +469,7 @@ def test_shipped_model_draws_a_heldout_prompt():
     assert score["prompt_score"] >= 0.75, score["objects"]
 
 
+@pytest.mark.slow
 @needs_trained
 def test_shipped_model_binds_each_motion_to_its_object():
     """Held-out prompt 0 states two objects with opposite motions; swapping the two motion words
