@@ -152,6 +152,7 @@ def test_training_from_the_cache_equals_training_from_the_clips(model, tmp_path,
         assert cached[s] == pytest.approx(raw[s], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_planted_nan_stops_the_run_and_keeps_the_checkpoint(model, tmp_path, clips, capsys):
     from safetensors.torch import load_file, save_file
 

@@ -294,6 +294,7 @@ def test_plot_draws_several_runs(model, tmp_path):
         plot_runs([tmp_path / "a"], tmp_path / "x.png", labels=["one", "two"])
 
 
+@pytest.mark.slow
 def test_bench_train_times_every_student_through_the_trainer(tmp_path, capsys):
     from attnqat.cli import main
 
