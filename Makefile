@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY          = $(VENV)/bin/python
 STAMP       = $(VENV)/.attnqat-installed
 
-.PHONY: setup test test-gpu app browser clean
+.PHONY: setup test test-fast test-gpu app browser clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,8 +38,20 @@ browser:
 	    done; \
 	  fi; }
 
+# PyTorch's intra-op threads in the tests (`make test TEST_THREADS=2` for two). One: on the 2-core
+# machine shared with other work, two threads made the torch-bound tests 5-10x slower
+# (docs/development.md, "Tests"); the servers the tests start inherit it.
+TEST_THREADS ?= 1
+
 test: setup
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q
+
+# The inner loop (docs/development.md, "Tests"): everything but what is marked as running Triton
+# kernels through the interpreter, starting servers or commands as child processes (kill and
+# resume included), driving the browser, or slow; none of it needs Chromium.
+FAST_MARKERS ?= not gpu and not slow and not browser and not interpreter and not subprocess
+test-fast: $(STAMP)
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -m "$(FAST_MARKERS)"
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu

@@ -21,11 +21,18 @@ and shape × motion pair is still seen in training; only the triples are new.
 
 Clips are ``uint8`` arrays of shape ``(T, H, W, 3)``; the default is 33 frames of 128 × 128 at
 :data:`FPS` = 16 frames per second. Objects are drawn with a one-pixel anti-aliased edge.
+
+One renderer and one stream serve every user. :func:`render_batch` draws a batch of clip
+specifications (:func:`spec_params` rows) on any PyTorch device: the tiny model's trainer draws on
+the GPU, :func:`render` is the same function on the CPU for one clip. :class:`SpecStream` hands out
+the specifications ``spec_at(seed, k)`` by index in batches, the same for any number of DataLoader
+workers or ranks (:func:`spec_batches` for the trainer, :class:`SyntheticClips` rendered).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import re
@@ -35,6 +42,8 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 FPS = 16
 DEFAULT_FRAMES = 33
@@ -431,7 +440,11 @@ def heldout_prompts(n: int, max_objects: int = 2) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Rendering
+# Rendering: one renderer, batched, on any PyTorch device (the CPU for single clips, the GPU for
+# the tiny model's training batches)
+
+OBJ_FIELDS = 10           # present, r, g, b, shape, motion, x0, y0, extent, amount
+PARAMS = MAX_OBJECTS * OBJ_FIELDS + 3   # + background r, g, b
 
 
 def _size_hw(size: int | tuple[int, int]) -> tuple[int, int]:
@@ -444,48 +457,130 @@ def _size_hw(size: int | tuple[int, int]) -> tuple[int, int]:
     return h, w
 
 
+def spec_params(spec: ClipSpec) -> np.ndarray:
+    """A clip specification with geometry as the flat float64 vector :func:`render_batch` reads:
+    :data:`OBJ_FIELDS` numbers per object slot (absent slots are zero), then the background."""
+    p = np.zeros(PARAMS, dtype=np.float64)
+    for j, o in enumerate(spec.objects):
+        if not o.has_geometry:
+            raise ValueError(f"object {j} of {spec.caption!r} has no geometry (see with_layout)")
+        p[j * OBJ_FIELDS:(j + 1) * OBJ_FIELDS] = (
+            1.0, *OBJECT_COLOURS[o.colour], SHAPES.index(o.shape), MOTIONS.index(o.motion),
+            o.start[0], o.start[1], o.extent, o.amount)
+    p[-3:] = BACKGROUND_COLOURS[spec.background]
+    return p
+
+
+def params_of(specs: Sequence[ClipSpec]) -> torch.Tensor:
+    """``(B, PARAMS)`` float64 of :func:`spec_params` for each of ``specs``."""
+    return torch.from_numpy(np.stack([spec_params(s) for s in specs]))
+
+
+def _circle(px: torch.Tensor, py: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(px * px + py * py) - 0.5 * scale
+
+
+def _square(px: torch.Tensor, py: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(px.abs(), py.abs()) - 0.5 * 0.85 * scale
+
+
+def _triangle(px: torch.Tensor, py: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An equilateral triangle pointing up, circumradius 0.6 * extent, centred on its centroid."""
+    s3 = math.sqrt(3.0) / 2.0
+    return torch.maximum(torch.maximum(py, s3 * px - 0.5 * py), -s3 * px - 0.5 * py) - 0.3 * scale
+
+
+_SDF = (_circle, _square, _triangle)   # in the order of SHAPES
+
+
+def render_batch(params: torch.Tensor, frames: int, size: int | tuple[int, int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw a batch of clips (:func:`spec_params` rows) on ``params``' device.
+
+    Motion is linear in time (sizes geometric for grow/shrink) from the first frame to the last;
+    each object is a signed distance field with a one-pixel anti-aliased edge, drawn in order
+    (later ones on top). ``size`` is an int (square) or ``(height, width)``.
+
+    Returns:
+        ``(clips, fg)``: clips ``(B, T, H, W, 3)`` float32 holding integers 0..255, and ``fg``
+        ``(B, T, H, W)`` bool, the pixels any object touches.
+    """
+    dev = params.device
+    b = params.shape[0]
+    h, w = _size_hw(size)
+    t = torch.from_numpy(np.linspace(0.0, 1.0, frames)).to(dev).view(1, frames)
+    ys = (torch.arange(h, dtype=torch.float32, device=dev) + 0.5).view(1, 1, h, 1)
+    xs = (torch.arange(w, dtype=torch.float32, device=dev) + 0.5).view(1, 1, 1, w)
+    bg = params[:, -3:].float().view(b, 1, 1, 1, 3)
+    img = bg.expand(b, frames, h, w, 3).clone()
+    fg = torch.zeros(b, frames, h, w, dtype=torch.bool, device=dev)
+    for j in range(MAX_OBJECTS):
+        p = params[:, j * OBJ_FIELDS:(j + 1) * OBJ_FIELDS]
+        present = p[:, 0] > 0
+        if not bool(present.any()):
+            continue
+        colour = p[:, 1:4].float().view(b, 1, 1, 1, 3)
+        shape, motion = p[:, 4].long().view(b, 1), p[:, 5].long().view(b, 1)
+        x0, y0, ext, amt = (p[:, i:i + 1] for i in (6, 7, 8, 9))
+        x, y, e = x0.expand(b, frames), y0.expand(b, frames), ext.expand(b, frames)
+        # motions in the order of MOTIONS: left, right, up, down, grow, shrink
+        x = torch.where(motion == 0, x0 - amt * t, torch.where(motion == 1, x0 + amt * t, x))
+        y = torch.where(motion == 2, y0 - amt * t, torch.where(motion == 3, y0 + amt * t, y))
+        e = torch.where(motion == 4, ext * amt ** t, torch.where(motion == 5, ext * amt ** (-t), e))
+        cx = (x * w).float().view(b, frames, 1, 1)
+        cy = (y * h).float().view(b, frames, 1, 1)
+        scale = (e * min(h, w)).float().view(b, frames, 1, 1)   # extent in pixels
+        px, py = xs - cx, ys - cy
+        sdf = None
+        sid = shape.view(b, 1, 1, 1)
+        for k, shape_sdf in enumerate(_SDF):   # only the shapes this slot holds
+            chosen = sid == k
+            if bool(chosen.any()):
+                d = shape_sdf(px, py, scale)
+                sdf = d if sdf is None else torch.where(chosen, d, sdf)
+        alpha = (0.5 - sdf).clamp(0.0, 1.0) * present.view(b, 1, 1, 1)
+        fg |= alpha > 0
+        img = img + alpha.unsqueeze(-1) * (colour - img)
+    return torch.round(img).clamp(0.0, 255.0), fg
+
+
 def render(spec: ClipSpec | str, frames: int = DEFAULT_FRAMES,
            size: int | tuple[int, int] = DEFAULT_SIZE) -> np.ndarray:
-    """Draw ``spec`` (a :class:`ClipSpec` or a caption) as a ``uint8`` array ``(T, H, W, 3)``.
+    """Draw ``spec`` (a :class:`ClipSpec` or a caption) as a ``uint8`` array ``(T, H, W, 3)``
+    (:func:`render_batch` on the CPU, one clip).
 
     ``size`` is an int (square) or ``(height, width)``. Objects without geometry get the fixed
-    layout of :func:`with_layout`. Motion is linear in time (sizes geometric for grow/shrink),
-    from the first frame to the last.
+    layout of :func:`with_layout`.
     """
     if isinstance(spec, str):
         spec = parse_caption(spec)
     if frames < 2:
         raise ValueError(f"frames must be >= 2, got {frames}")
     h, w = _size_hw(size)
-    aspect = w / h
-    spec = with_layout(spec, aspect=aspect)
+    spec = with_layout(spec, aspect=w / h)
     for o in spec.objects:
         if o.colour == spec.background:
             raise ValueError(f"a {o.colour} object on a {spec.background} background is invisible")
-    t = np.linspace(0.0, 1.0, frames, dtype=np.float64)
-    short = float(min(h, w))
-    ys = (np.arange(h, dtype=np.float32) + 0.5)[None, :, None]
-    xs = (np.arange(w, dtype=np.float32) + 0.5)[None, None, :]
-    img = np.empty((frames, h, w, 3), dtype=np.float32)
-    img[:] = np.asarray(BACKGROUND_COLOURS[spec.background], dtype=np.float32)
-    for o in spec.objects:
-        cx, cy, e = _track(o, t, aspect)
-        cx = (cx * w).astype(np.float32)[:, None, None]
-        cy = (cy * h).astype(np.float32)[:, None, None]
-        scale = (e * short).astype(np.float32)[:, None, None]   # extent in pixels
-        px, py = xs - cx, ys - cy
-        if o.shape == "circle":
-            sdf = np.sqrt(px * px + py * py) - 0.5 * scale
-        elif o.shape == "square":
-            sdf = np.maximum(np.abs(px), np.abs(py)) - 0.5 * 0.85 * scale
-        else:  # equilateral triangle pointing up, circumradius 0.6 * extent, centred on its centroid
-            inr = 0.3 * scale
-            s3 = math.sqrt(3.0) / 2.0
-            sdf = np.maximum(np.maximum(py, s3 * px - 0.5 * py), -s3 * px - 0.5 * py) - inr
-        alpha = np.clip(0.5 - sdf, 0.0, 1.0)[..., None]
-        colour = np.asarray(OBJECT_COLOURS[o.colour], dtype=np.float32)
-        img += alpha * (colour - img)
-    return np.clip(np.rint(img), 0, 255).astype(np.uint8)
+    with _one_thread():
+        clips, _ = render_batch(params_of([spec]), frames, (h, w))
+    return clips[0].to(torch.uint8).numpy()
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """PyTorch's intra-op threads limited to one: a single clip is too small to gain from them,
+    and where other processes share the cores (DataLoader workers, scoring pools, a loaded
+    machine) two threads made it up to 9x slower (33 x 128 x 128: 15 ms with one, 135 ms with
+    two on the loaded 2-core machine, 2026-11-26). Only speed depends on it."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def clip_at(seed: int, index: int, split: str = "train", frames: int = DEFAULT_FRAMES,
@@ -497,25 +592,65 @@ def clip_at(seed: int, index: int, split: str = "train", frames: int = DEFAULT_F
     return render(spec, frames, (h, w)), spec.caption
 
 
+def to_tensor(frames: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """Clips ``(..., T, H, W, 3)`` holding 0..255 (``uint8``, or float as :func:`render_batch`
+    returns them) → ``float32 (..., 3, T, H, W)`` in [-1, 1] (the Wan VAE's input layout)."""
+    x = torch.as_tensor(np.ascontiguousarray(frames) if isinstance(frames, np.ndarray) else frames)
+    return x.movedim(-1, -4).float().div(127.5).sub(1.0).contiguous()
+
+
 # ----------------------------------------------------------------------------------------------
-# Training stream
-
-try:  # torch is a project dependency, but keep the generator usable without it
-    import torch
-    from torch.utils.data import IterableDataset, get_worker_info
-except ImportError:  # pragma: no cover
-    torch = None  # type: ignore[assignment]
-    IterableDataset = object  # type: ignore[assignment,misc]
+# The stream: clip specifications by index, in batches, the same for any number of workers
 
 
-def to_tensor(frames: np.ndarray) -> "torch.Tensor":
-    """``uint8 (T, H, W, 3)`` → ``float32 (3, T, H, W)`` in [-1, 1] (the Wan VAE's input layout)."""
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(3, 0, 1, 2).float()
-    return x.div_(127.5).sub_(1.0)
+class SpecStream(IterableDataset):
+    """Batches of the stream ``spec_at(seed, k, split, ...)``: batch ``b`` holds items
+    ``start + b * batch ...`` as ``(params (batch, PARAMS) float64, captions)``
+    (:func:`spec_params`), ``batches`` of them (None: endless).
+
+    DataLoader worker ``w`` of ``n`` on rank ``r`` of ``world_size`` makes the batches with
+    ``b % (n * world_size) == r * n + w``; a loader hands its workers' batches out in order, so
+    the stream is the same whatever the number of workers, and ranks never repeat a batch.
+    ``object_weights``: see :func:`sample_spec`; ``aspect`` = width / height."""
+
+    def __init__(self, seed: int, start: int = 0, batch: int = 1, split: str = "train",
+                 max_objects: int = 2, object_weights: Sequence[float] | None = None,
+                 aspect: float = 1.0, batches: int | None = None, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if split not in ("train", "heldout"):
+            raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+        self.seed, self.start, self.batch, self.split = seed, start, batch, split
+        self.max_objects, self.object_weights, self.aspect = max_objects, object_weights, aspect
+        self.batches, self.rank, self.world_size = batches, rank, world_size
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, list[str]]]:
+        info = get_worker_info()
+        n, w = (info.num_workers, info.id) if info is not None else (1, 0)
+        b = self.rank * n + w
+        while self.batches is None or b < self.batches:
+            k0 = self.start + b * self.batch
+            specs = [spec_at(self.seed, k, self.split, self.max_objects, self.aspect,
+                             self.object_weights) for k in range(k0, k0 + self.batch)]
+            yield params_of(specs), [s.caption for s in specs]
+            b += n * self.world_size
 
 
-class SyntheticClips(IterableDataset):  # type: ignore[misc]
-    """An unbounded (or ``length``-long) stream of ``(video, caption)`` pairs.
+def spec_batches(seed: int, start: int, batch: int, workers: int,
+                 object_weights: Sequence[float] | None = None
+                 ) -> Iterator[tuple[torch.Tensor, list[str]]]:
+    """Endless ``(params (B, PARAMS) float64, captions)`` batches of the training stream from
+    item ``start`` on, drawn by ``workers`` DataLoader processes (0: this one)."""
+    loader = DataLoader(SpecStream(seed, start, batch, object_weights=object_weights),
+                        batch_size=None, num_workers=workers,
+                        persistent_workers=workers > 0, prefetch_factor=4 if workers > 0 else None)
+    yield from loader
+
+
+class SyntheticClips(IterableDataset):
+    """An unbounded (or ``length``-long) stream of ``(video, caption)`` pairs: the
+    :class:`SpecStream` of one clip per batch, rendered.
 
     ``video`` is ``float32 (3, T, H, W)`` in [-1, 1]. Item ``k`` of the stream is
     ``clip_at(seed * 1_000_003 + epoch, k, split, ...)``, whatever the number of DataLoader
@@ -529,27 +664,19 @@ class SyntheticClips(IterableDataset):  # type: ignore[misc]
                  size: int | tuple[int, int] = DEFAULT_SIZE, split: str = "train",
                  max_objects: int = 2, length: int | None = None, rank: int = 0,
                  world_size: int = 1, epoch: int = 0) -> None:
-        if split not in ("train", "heldout"):
-            raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
-        self.seed, self.frames, self.size, self.split = seed, frames, _size_hw(size), split
-        self.max_objects, self.length, self.rank, self.world_size = max_objects, length, rank, world_size
-        self.epoch = epoch
+        self.seed, self.frames, self.size, self.epoch = seed, frames, _size_hw(size), epoch
+        h, w = self.size
+        self.specs = SpecStream(seed * 1_000_003 + epoch, split=split, max_objects=max_objects,
+                                aspect=w / h, batches=length, rank=rank, world_size=world_size)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
+        self.specs.seed = self.seed * 1_000_003 + epoch
 
-    def __iter__(self) -> Iterator[tuple["torch.Tensor", str]]:
-        info = get_worker_info()
-        n_workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        stride = n_workers * self.world_size
-        k = self.rank * n_workers + worker
-        seed = self.seed * 1_000_003 + self.epoch
-        while self.length is None or k < self.length:
-            frames, caption = clip_at(seed, k, self.split, self.frames, self.size, self.max_objects)
-            yield to_tensor(frames), caption
-            k += stride
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, str]]:
+        for params, captions in self.specs:
+            clips, _ = render_batch(params, self.frames, self.size)
+            yield to_tensor(clips[0]), captions[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -590,5 +717,6 @@ __all__ = [
     "FPS", "COLOURS", "SHAPES", "MOTIONS", "BACKGROUNDS", "OBJECT_COLOURS", "BACKGROUND_COLOURS",
     "ObjectSpec", "ClipSpec", "caption_of", "parse_caption", "is_heldout_triple", "split_of",
     "HELDOUT_TRIPLES", "TRAIN_TRIPLES", "sample_spec", "spec_at", "with_layout", "heldout_specs",
-    "heldout_prompts", "render", "clip_at", "to_tensor", "SyntheticClips",
+    "heldout_prompts", "OBJ_FIELDS", "PARAMS", "spec_params", "params_of", "render_batch", "render",
+    "clip_at", "to_tensor", "SpecStream", "spec_batches", "SyntheticClips",
 ]

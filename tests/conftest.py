@@ -4,7 +4,12 @@ On a machine without CUDA the Triton kernels run through Triton's interpreter. `
 is read when a kernel is decorated, so it is set here, before any test imports ``attnqat.kernels``.
 """
 
+import json
 import os
+import subprocess
+import sys
+
+import pytest
 
 
 def _cuda_available() -> bool:
@@ -52,3 +57,18 @@ def pytest_configure(config):
 def pytest_report_header(config):
     where, _ = _attnqat_location()
     return f"attnqat: {where}"
+
+
+@pytest.fixture(scope="session")
+def sass90(tmp_path_factory):
+    """``attnqat bench kernels --sass 90 --json FILE``, run once per session (it compiles every
+    kernel for sm_90, the slowest step of the suite) in a child process without the Triton
+    interpreter that the other CPU tests use; test_kernels_sass.py and test_kernels_gluon.py read
+    it. Returns the finished process (its ``stdout``) and the JSON it wrote."""
+    out = tmp_path_factory.mktemp("sass90") / "sass.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "attnqat.cli", "bench", "kernels", "--sass", "90",
+                          "--json", str(out)], cwd=out.parent, env=env, capture_output=True,
+                         text=True, timeout=900, check=False)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    return res, json.loads(out.read_text())

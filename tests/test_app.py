@@ -116,6 +116,7 @@ def check_clip(path, frames, width, height, fps=16.0):
     assert info["fps"] == pytest.approx(fps)
 
 
+@pytest.mark.subprocess
 def test_the_server_says_where_it_listens_and_nothing_about_share_links(server):
     deadline = time.monotonic() + 30  # the line follows the server's start
     while f"serving on {server['url']}" not in server["log"].read_text():
@@ -125,6 +126,7 @@ def test_the_server_says_where_it_listens_and_nothing_about_share_links(server):
     assert "share=True" not in text and "public link" not in text.lower()
 
 
+@pytest.mark.subprocess
 def test_every_method_through_the_api_with_the_clients_defaults(server):
     c = client(server)
     # Only the prompt: every available method (the default), the model's size, a random seed.
@@ -147,6 +149,7 @@ def test_every_method_through_the_api_with_the_clients_defaults(server):
         check_clip(clips[0], 5, 32, 32)
 
 
+@pytest.mark.subprocess
 def test_numbers_reach_the_app_as_sent(server):
     from gradio_client.exceptions import ValidationError
 
@@ -164,6 +167,7 @@ def test_numbers_reach_the_app_as_sent(server):
         assert f"- {field}: " in str(info.value) and fragment in str(info.value), str(info.value)
 
 
+@pytest.mark.subprocess
 def test_generate_two_methods_through_gradio_client(server):
     c = client(server)
     record, clips, side_by_side, record_file = generate(c, "a red circle moves left",
@@ -191,6 +195,7 @@ def test_generate_two_methods_through_gradio_client(server):
     assert record["model_weights_note"]  # the tiny model says its weights are random
 
 
+@pytest.mark.subprocess
 def test_bad_inputs_are_refused_with_a_message_and_the_app_keeps_serving(server):
     from gradio_client.exceptions import ValidationError
 
@@ -211,6 +216,7 @@ def test_bad_inputs_are_refused_with_a_message_and_the_app_keeps_serving(server)
     check_clip(clips[0], 5, 32, 32)
 
 
+@pytest.mark.subprocess
 def test_two_concurrent_clients_get_their_own_results(server):
     from gradio_client.exceptions import ValidationError
 
@@ -241,6 +247,7 @@ def test_two_concurrent_clients_get_their_own_results(server):
         assert np.array_equal(read_mp4(p)[0], read_mp4(q)[0])
 
 
+@pytest.mark.subprocess
 def test_only_the_most_recent_results_stay_on_disk(server):
     c = client(server)
     for i in range(KEEP + 1):
@@ -284,6 +291,7 @@ def local(tmp_path_factory):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_the_queue_bound_holds_for_simultaneous_clients(local, monkeypatch):
     """One request generates (held back by the test), twelve more arrive at once: exactly
     ``--queue-size`` of them wait, the others are refused at once with "queue is full"."""

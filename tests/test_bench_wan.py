@@ -11,6 +11,7 @@ from attnqat import bench_wan
 from attnqat.cli import main
 
 
+@pytest.mark.slow
 def test_tiny_benchmark_runs_and_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
     rc = main(["bench", "wan", "--config", "tiny", "--resolutions", "32x48,64x32", "--frames", "5",

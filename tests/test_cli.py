@@ -88,6 +88,7 @@ def test_accuracy_benchmark_writes_json_by_default(tmp_path, monkeypatch, capsys
     assert "wrote runs/bench_accuracy.json" in capsys.readouterr().out
 
 
+@pytest.mark.subprocess
 def test_console_script_runs_as_a_process():
     r = subprocess.run([sys.executable, "-m", "attnqat.cli", "bench", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "accuracy" in r.stdout

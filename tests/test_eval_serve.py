@@ -21,6 +21,8 @@ from attnqat.cli import main as cli_main
 from attnqat.eval import media, sources
 from attnqat.eval.demo import LocalServer, write_demo_outputs
 
+pytestmark = pytest.mark.subprocess   # every test talks to `attnqat eval serve` in a child process
+
 METHODS = ("bf16", "attnqat", "nvfp4")
 CRIT_KEYS = ("visual_quality", "motion", "text_alignment")
 TIMEOUT = httpx.Timeout(30.0)

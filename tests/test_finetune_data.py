@@ -136,6 +136,7 @@ def test_cache_resumes_skips_corrupt_clips_and_holds_what_the_encoder_gives(mode
         build_cache(data, cache, model=str(model), frames=9, latent_dtype="float32", progress=False)
 
 
+@pytest.mark.slow
 def test_training_from_the_cache_equals_training_from_the_clips(model, tmp_path, clips):
     """Same clips, same order, same noise: the cached latents and embeddings give the losses the
     on-the-fly encoding gives (float32 latents; embeddings are bfloat16 either way)."""
@@ -152,6 +153,7 @@ def test_training_from_the_cache_equals_training_from_the_clips(model, tmp_path,
         assert cached[s] == pytest.approx(raw[s], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_planted_nan_stops_the_run_and_keeps_the_checkpoint(model, tmp_path, clips, capsys):
     from safetensors.torch import load_file, save_file
 

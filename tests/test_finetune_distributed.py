@@ -16,6 +16,7 @@ from attnqat.finetune import train as T
 from finetune_data import RUN, losses, small_model
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.subprocess   # torchrun
 
 
 def torchrun(n: int, *args: str) -> subprocess.CompletedProcess:

@@ -66,6 +66,7 @@ def test_attention_probe_measures_the_method_against_bf16_and_restores_the_proce
         attention_errors(models, tr, inp, batch=2, steps=(7,))
 
 
+@pytest.mark.slow
 def test_every_stage_on_the_cpu_with_two_steps(tmp_path):
     model = small_model(tmp_path / "small-wan")
     work, doc, ship = tmp_path / "work", tmp_path / "docs" / "repro.md", tmp_path / "qat"

@@ -114,6 +114,7 @@ def _parsed():
     return p.parse_args([])
 
 
+@pytest.mark.subprocess
 def test_kill_9_and_resume_gives_bit_identical_later_losses(model, tmp_path):
     steps = ["--steps", "40", "--batch-size", "2", "--checkpoint-every", "4", "--keep", "2"]
     ref = tmp_path / "ref"
@@ -150,6 +151,7 @@ def test_kill_9_and_resume_gives_bit_identical_later_losses(model, tmp_path):
     assert events[0] == "start" and "resume" in events
 
 
+@pytest.mark.subprocess
 def test_sigterm_saves_a_checkpoint_and_resume_continues(model, tmp_path):
     """SIGTERM to the whole process group (as `timeout` or a scheduler sends it), DataLoader
     workers included: the loop saves a checkpoint and stops."""
@@ -292,6 +294,7 @@ def test_plot_draws_several_runs(model, tmp_path):
         plot_runs([tmp_path / "a"], tmp_path / "x.png", labels=["one", "two"])
 
 
+@pytest.mark.slow
 def test_bench_train_times_every_student_through_the_trainer(tmp_path, capsys):
     from attnqat.cli import main
 

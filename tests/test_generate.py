@@ -128,6 +128,7 @@ def test_save_load_round_trip_reproduces_outputs(models, tmp_path):
         assert np.array_equal(a.videos[m], b.videos[m])
 
 
+@pytest.mark.slow
 def test_default_tiny_size(tmp_path, models):
     res = gen.generate(PROMPT, methods="bf16", models=models, progress=False, out=tmp_path / "o")
     s = res.record.settings

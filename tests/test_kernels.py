@@ -27,6 +27,9 @@ from attnqat.kernels import attention_fwd as F  # noqa: E402
 from attnqat.kernels import quantize as kq  # noqa: E402
 from attnqat.kernels import sage3 as ks  # noqa: E402
 
+# On the CPU every kernel here runs through the Triton interpreter (kept out of `make test-fast`).
+pytestmark = pytest.mark.interpreter
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INTERP = kernels.interpreting()
 TOL = 1e-2

@@ -12,11 +12,6 @@ the attnqat forward's O, O', LSE₂, m₂ and the dK/dV and dQ kernels' gradient
 kernels', bit for bit.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from attnqat.kernels import gluon_bwd as GB
@@ -33,23 +28,19 @@ TOL = 1e-2   # test_kernels_gpu.py's tolerance for the Triton forward against th
 # ----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(sass90):
     """The kernel compiled for sm_90 in a child process without the Triton interpreter that the
-    other CPU tests use (as test_kernels_sass.py does): ``attnqat bench kernels --sass 90``."""
+    other CPU tests use: ``attnqat bench kernels --sass 90``, run once for this module and
+    test_kernels_sass.py (tests/conftest.py)."""
     if G.GLUON_IMPORT_ERROR is not None:
         pytest.skip(f"no Gluon in this triton: {G.GLUON_IMPORT_ERROR}")
-    out = tmp_path_factory.mktemp("gluon") / "sass.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "attnqat.cli", "bench", "kernels", "--sass", "90",
-                          "--json", str(out)],
-                         cwd=out.parent, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    res, data = sass90
     assert "gluon nvfp4 D=128 consumer 1:" in res.stdout
     assert "gluon sage3 D=128 consumer 1:" in res.stdout
     assert "gluon attnqat D=128 consumer 1:" in res.stdout
     assert "gluon dK/dV D=128 consumer 1:" in res.stdout
     assert "gluon dQ D=128 consumer 1:" in res.stdout
-    return {int(d): f for d, f in json.loads(out.read_text())["gluon"].items()}
+    return {int(d): f for d, f in data["gluon"].items()}
 
 
 @pytest.fixture(params=[(128, "nvfp4"), (64, "nvfp4"), (128, "sage3"), (64, "sage3")],
@@ -61,6 +52,7 @@ def facts(request, report):
     return D, method, f
 
 
+@pytest.mark.subprocess
 def test_two_consumer_loops_issue_both_products_asynchronously(facts):
     D, method, f = facts
     loops = f["consumer_loops"]
@@ -79,6 +71,7 @@ def test_two_consumer_loops_issue_both_products_asynchronously(facts):
         assert lp["waits_after_first_ex2"] == 0
 
 
+@pytest.mark.subprocess
 def test_no_spills_and_registers_handed_to_the_consumers(facts):
     *_, f = facts
     assert f["spill_instructions"] == 0
@@ -88,6 +81,7 @@ def test_no_spills_and_registers_handed_to_the_consumers(facts):
     assert f["max_register_index"] < G.CONFIG["CONSUMER_REGS"]
 
 
+@pytest.mark.subprocess
 def test_p_quantizer_is_the_triton_kernels(facts):
     """The E4M3 scale and the E2M1 rounding of 64 scores per thread: 2 FFMA with the E2M1 magic
     constant per score, one exponent mask per score and per block scale, one MUFU.RCP per block
@@ -99,6 +93,7 @@ def test_p_quantizer_is_the_triton_kernels(facts):
         assert lp["rcp"] == 16
 
 
+@pytest.mark.subprocess
 def test_fewer_instructions_per_key_tile_than_the_triton_kernel(facts):
     """Per full 128-key tile each consumer thread holds the 64 scores a thread of the 8-warp Triton
     kernel holds; the Gluon loop (the mask block is branched over on full tiles) must not be longer
@@ -120,6 +115,7 @@ def _two_consumer_loops(report, D, key, loops, kernel):
 
 
 @pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.subprocess
 def test_dkdv_query_loops_keep_the_products_asynchronous(report, D):
     """The dK/dV kernel, one query loop per consumer warpgroup: per 64-query block S_i and dP_i
     (D/16 k-steps each) and dV, dK (4 k-steps of 16 queries each) as asynchronous wgmma with two
@@ -137,6 +133,7 @@ def test_dkdv_query_loops_keep_the_products_asynchronous(report, D):
 
 
 @pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.subprocess
 def test_dq_key_loops_overlap_the_exponentials_with_dp(report, D):
     """The dQ kernel, one key loop per consumer warpgroup: per 64-key block S_j and dP_j (D/16
     k-steps each) and dQ (4 k-steps) as asynchronous wgmma with two waits, the one for dP after the
@@ -151,6 +148,7 @@ def test_dq_key_loops_overlap_the_exponentials_with_dp(report, D):
 
 
 @pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.subprocess
 def test_attnqat_forward_loops_wait_once_per_tile(report, D):
     """The attnqat forward, one key loop per consumer warpgroup: per tile S_j (D/16 k-steps), PV_{j-1}
     and ΔV_{j-1} (8 each) issued as asynchronous wgmma and waited for with one wait before the
@@ -170,6 +168,7 @@ def test_attnqat_forward_loops_wait_once_per_tile(report, D):
 
 
 @pytest.mark.parametrize("method", ["nvfp4", "sage3", "attnqat"])
+@pytest.mark.subprocess
 def test_block_maxima_of_s_first_at_head_dim_128(report, method):
     """At D = 128 the forwards take the row maximum and P̃'s 16-key block maxima from S's block
     maxima (kernels/gluon_fwd.py ``_softmax_tile``): per tile and consumer, one more exponential per
@@ -251,6 +250,7 @@ def test_schedule_choice_on_the_cpu():
         K.nvfp4_forward(q, q, q, 0.125, formulation=1, schedule="cudnn")
 
 
+@pytest.mark.interpreter
 def test_sage3_schedule_argument():
     """``sage3_forward``'s ``schedule`` has ``nvfp4_forward``'s semantics: an unknown name and a
     "gluon" that cannot run (float16 operands here, on any machine) raise ValueError naming why;
@@ -273,6 +273,7 @@ def test_sage3_schedule_argument():
             assert torch.equal(S3.sage3_forward(q, k, v, 0.125), tri)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("Skv", [140, 77, 256])
 def test_sage3_correction_parts_hold_the_float32_row(Skv):
     """The Gluon kernel's form of sage3's correction: per (batch, head, query block) three bf16

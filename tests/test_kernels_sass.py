@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from attnqat.kernels import sass
-
-REPO = Path(__file__).resolve().parents[1]
 
 LISTING = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
@@ -33,17 +27,14 @@ def test_parse_finds_the_loop_around_the_matrix_multiplies():
     assert loop == (1, 4)   # the FADD loop holds no MMA
 
 
-def test_hopper_machine_code_of_the_quantizers(tmp_path):
+@pytest.mark.subprocess
+def test_hopper_machine_code_of_the_quantizers(sass90):
     """Compiled for sm_90 without a GPU (the interpreter that the other tests use is switched off
-    in the child process): the P quantizer lengthens the key loop by a plausible few instructions
+    in the child process; tests/conftest.py runs it once for this module and
+    test_kernels_gluon.py): the P quantizer lengthens the key loop by a plausible few instructions
     per score, the attnqat forward by more."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "sass.json"
-    res = subprocess.run([sys.executable, "-m", "attnqat.cli", "bench", "kernels", "--sass", "90",
-                          "--json", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    res, data = sass90
+    rows = {r["name"]: r for r in data["rows"]}
     assert list(rows) == list(sass.VARIANTS)
     base, q, o2 = rows["no P quantizer"], rows["nvfp4"], rows["nvfp4 + O' + stats (attnqat)"]
     assert base["per_score"] == 0 and base["loop"] > 100
@@ -53,7 +44,7 @@ def test_hopper_machine_code_of_the_quantizers(tmp_path):
     # the backward's dK/dV loop: the P quantizer on the transposed tile costs more per score than
     # the forward's (2 scores per thread and 16-key block instead of 4, one more shuffle level);
     # on the untransposed tile (attnqat's default) less
-    dropin_t, attnqat_t, dropin_n, attnqat_n = json.loads(out.read_text())["dkdv"]
+    dropin_t, attnqat_t, dropin_n, attnqat_n = data["dkdv"]
     assert dropin_t["per_score"] == dropin_n["per_score"] == 0 and dropin_t["loop"] > 100
     assert attnqat_t["per_score"] > q["per_score"]
     assert attnqat_t["loop_mix"].get("SHFL", 0) > dropin_t["loop_mix"].get("SHFL", 0)

@@ -13,8 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(shutil.which("make") is None or os.geteuid() != 0,
-                                reason="needs make, and root (the step installs only as root)")
+pytestmark = [pytest.mark.subprocess, pytest.mark.skipif(shutil.which("make") is None or os.geteuid() != 0,
+                                reason="needs make, and root (the step installs only as root)")]
 
 
 def run_browser_step(tmp_path: Path, failures: int) -> tuple[subprocess.CompletedProcess, list[str]]:
@@ -56,3 +56,26 @@ def test_two_failures_stop_make_with_a_message(tmp_path):
     assert done.returncode != 0
     assert "installing chromium failed twice" in done.stderr
     assert len(calls) == 2  # one update per attempt, no third attempt
+
+
+def test_test_fast_leaves_out_only_registered_markers_and_test_runs_everything():
+    """``make test-fast`` deselects the markers docs/development.md lists, each registered in
+    pyproject.toml (a misspelt marker would deselect nothing); ``make test`` deselects nothing
+    but the GPU tests (pyproject's addopts)."""
+    import re
+    import tomllib
+
+    def recipe(target: str) -> str:
+        done = subprocess.run(["make", "-s", "-n", "-C", str(ROOT), target], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return [line for line in done.stdout.splitlines() if "-m pytest" in line][-1]
+
+    fast = recipe("test-fast")
+    expr = re.search(r'-m pytest -q -m "([^"]+)"', fast).group(1)
+    left_out = set(re.findall(r"not (\w+)", expr))
+    assert left_out == {"gpu", "slow", "browser", "interpreter", "subprocess"}
+    assert expr == " and ".join(f"not {m}" for m in re.findall(r"not (\w+)", expr))
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    assert left_out <= {m.split(":")[0] for m in ini["markers"]}
+    assert recipe("test").endswith("-m pytest -q")

@@ -128,6 +128,7 @@ def test_save_tiny_assets_replaces_folders_atomically(tmp_path):
     assert tok["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
+@pytest.mark.slow
 def test_shipped_qat_weights_generate_a_clip_that_follows_its_caption():
     """The Attn-QAT transformer with the NVFP4 attention it deploys, on a held-out prompt
     (its colour × shape × motion triple was never shown in training), default settings, CPU.

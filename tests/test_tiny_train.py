@@ -10,8 +10,11 @@ import torch
 from safetensors.torch import load_file
 
 from attnqat import tiny
+from attnqat.finetune import (tiny_config, tiny_context, tiny_models, tiny_t2v, tiny_text,
+                              tiny_vae)
 from attnqat.finetune import tiny_train as tt
-from attnqat.synthetic import heldout_specs, render, spec_at
+from attnqat.synthetic import (heldout_specs, params_of, render, render_batch, spec_at,
+                               spec_batches, to_tensor)
 
 # a model small enough to train a few steps on the CPU in a second
 SMALL = {"num_attention_heads": 1, "num_layers": 1, "ffn_dim": 64, "text_d_model": 32,
@@ -26,14 +29,10 @@ def small_pipe(seed: int = 0):
     return tiny.build_tiny_pipeline(seed, tiny.TinyWanConfig(**SMALL))
 
 
-def params_of(specs) -> torch.Tensor:
-    return torch.from_numpy(np.stack([tt.spec_params(s) for s in specs]))
-
-
 def test_render_batch_draws_what_render_draws():
     specs = [spec_at(3, k) for k in range(10)] + heldout_specs(6)
     assert any(len(s.objects) == 2 for s in specs)
-    clips, fg = tt.render_batch(params_of(specs), 9, 48)
+    clips, fg = render_batch(params_of(specs), 9, 48)
     ref = np.stack([render(s, 9, 48) for s in specs]).astype(np.float32)
     diff = np.abs(clips.numpy() - ref)
     assert diff.max() <= 1.0 and (diff > 0).mean() < 1e-4
@@ -41,13 +40,13 @@ def test_render_batch_draws_what_render_draws():
     bg = params_of(specs)[:, -3:].float().view(-1, 1, 1, 1, 3)
     assert bool(((clips - bg).abs().sum(-1) > 0).le(fg).all())
     assert 0.01 < fg.float().mean() < 0.5
-    x = tt.to_model_input(clips)
+    x = to_tensor(clips)
     assert x.shape == (16, 3, 9, 48, 48) and -1.0 <= float(x.min()) and float(x.max()) <= 1.0
 
 
 def test_spec_stream_is_the_same_for_any_number_of_workers():
-    one = next(tt.spec_batches(11, 5, 8, workers=0))
-    two = next(tt.spec_batches(11, 5, 8, workers=2))
+    one = next(spec_batches(11, 5, 8, workers=0))
+    two = next(spec_batches(11, 5, 8, workers=2))
     assert one[1] == two[1] and torch.equal(one[0], two[0])
     assert one[1][0] == spec_at(11, 5).caption
 
@@ -59,8 +58,8 @@ def test_text_encoding_equals_the_pipeline_prompt_embeddings():
     with torch.no_grad():
         ref, _ = pipe.encode_prompt(caps, do_classifier_free_guidance=False,
                                     max_sequence_length=512, device="cpu")
-        ids, mask = tt.tokenize(pipe.tokenizer, caps, 24)
-        mine = tt.encode_text(pipe.text_encoder, ids, mask)
+        ids, mask = tiny_text.tokenize(pipe.tokenizer, caps, 24)
+        mine = tiny_text.encode_text(pipe.text_encoder, ids, mask)
     assert mine.shape == ref.shape == (3, 512, 32)
     torch.testing.assert_close(mine, ref, rtol=1e-5, atol=1e-6)
     assert pipe.tokenizer.unk_token_id not in ids[2].tolist()   # "grows", "shrinks" are words
@@ -100,11 +99,11 @@ def _fit(params, loss_fn, steps: int, lr: float) -> tuple[float, float]:
 def test_vae_loss_falls_on_a_fixed_batch():
     torch.manual_seed(0)
     vae = small_pipe().vae.train()
-    clips, fg = tt.render_batch(params_of([spec_at(0, k) for k in range(2)]), 5, 32)
-    x = tt.to_model_input(clips)
+    clips, fg = render_batch(params_of([spec_at(0, k) for k in range(2)]), 5, 32)
+    x = to_tensor(clips)
 
     def loss_fn():
-        return tt.vae_loss(vae, x, fg, 1e-4, 3.0, torch.Generator().manual_seed(0))[0]
+        return tiny_vae.vae_loss(vae, x, fg, 1e-4, 3.0, torch.Generator().manual_seed(0))[0]
 
     first, last = _fit(vae.parameters(), loss_fn, 40, 3e-3)
     assert last < 0.6 * first
@@ -115,7 +114,7 @@ def flow_batch(n: int):
     torch.manual_seed(0)
     pipe = small_pipe()
     z0 = torch.randn(n, 16, 2, 4, 4)
-    ids, mask = tt.tokenize(pipe.tokenizer, [spec_at(0, k).caption for k in range(n)], 24)
+    ids, mask = tiny_text.tokenize(pipe.tokenizer, [spec_at(0, k).caption for k in range(n)], 24)
     return pipe.text_encoder, pipe.transformer, z0, ids, mask
 
 
@@ -124,7 +123,7 @@ def test_flow_loss_falls_on_a_fixed_batch():
     te, tr = te.train(), tr.train()
 
     def loss_fn():
-        return tt.flow_loss(tr, te, z0, ids, mask, torch.Generator().manual_seed(1), 3.0)
+        return tiny_t2v.flow_loss(tr, te, z0, ids, mask, torch.Generator().manual_seed(1), 3.0)
 
     first, last = _fit([*te.parameters(), *tr.parameters()], loss_fn, 40, 2e-3)
     assert last < 0.7 * first
@@ -134,7 +133,7 @@ def test_latent_object_mask_pools_pixels_the_way_the_vae_compresses():
     # 9 frames -> 3 latent frames (frame 0 alone, then 1-4 and 5-8); 32 x 32 -> 4 x 4 cells
     rng = np.random.default_rng(0)
     fg = torch.from_numpy(rng.random((2, 9, 32, 32)) > 0.995)
-    m = tt.latent_object_mask(fg, (2, 16, 3, 4, 4))
+    m = tiny_vae.latent_object_mask(fg, (2, 16, 3, 4, 4))
     assert m.shape == (2, 1, 3, 4, 4) and m.dtype == torch.bool
     groups = [[0], [1, 2, 3, 4], [5, 6, 7, 8]]
     for b in range(2):
@@ -144,8 +143,8 @@ def test_latent_object_mask_pools_pixels_the_way_the_vae_compresses():
                     want = bool(fg[b, frames, 8 * i:8 * i + 8, 8 * j:8 * j + 8].any())
                     assert bool(m[b, 0, t, i, j]) == want
     # the masks of real clips cover the objects and little else
-    pix = tt.render_batch(params_of([spec_at(0, k) for k in range(4)]), 9, 64)[1]
-    cells = tt.latent_object_mask(pix, (4, 16, 3, 8, 8))
+    pix = render_batch(params_of([spec_at(0, k) for k in range(4)]), 9, 64)[1]
+    cells = tiny_vae.latent_object_mask(pix, (4, 16, 3, 8, 8))
     assert 0.0 < cells.float().mean() < 0.5
 
 
@@ -155,7 +154,7 @@ def test_flow_loss_weight_of_ones_is_the_plain_loss_and_a_mask_selects_cells():
 
     def loss(weight=None):
         with torch.no_grad():
-            return tt.flow_loss(tr, te, z0, ids, mask, torch.Generator().manual_seed(1), 3.0,
+            return tiny_t2v.flow_loss(tr, te, z0, ids, mask, torch.Generator().manual_seed(1), 3.0,
                                 weight=weight)
 
     plain = loss()
@@ -169,7 +168,7 @@ def test_flow_loss_weight_of_ones_is_the_plain_loss_and_a_mask_selects_cells():
     sigma = (3.0 * u / (1.0 + 2.0 * u)).view(2, 1, 1, 1, 1)
     noise = torch.randn(z0.shape, generator=g)
     with torch.no_grad():
-        emb = tt.encode_text(te, ids, mask, tt.TEXT_SEQ_LEN)
+        emb = tiny_text.encode_text(te, ids, mask, tiny_config.TEXT_SEQ_LEN)
         pred = tr(hidden_states=(1 - sigma) * z0 + sigma * noise, timestep=sigma.flatten() * 1000.0,
                   encoder_hidden_states=emb, return_dict=False)[0]
     err = (pred - (noise - z0)).square()
@@ -245,18 +244,19 @@ def test_grow_transformer_keeps_the_function_and_deepens_the_stack():
 
     before = run()
     old = list(tr.blocks)
-    assert tt.grow_transformer(tr, 4) == [1, 3]
+    assert tiny_models.grow_transformer(tr, 4) == [1, 3]
     assert len(tr.blocks) == 4 and tr.config.num_layers == 4
     assert tr.blocks[0] is old[0] and tr.blocks[2] is old[1]
     assert torch.equal(tr.blocks[1].attn1.to_q.weight, old[0].attn1.to_q.weight)
     assert not tr.blocks[1].ffn.net[-1].weight.detach().any()
     assert torch.equal(run(), before)
-    assert tt.grow_transformer(tr, 5) == [3]   # one block more: inserted mid-stack
+    assert tiny_models.grow_transformer(tr, 5) == [3]   # one block more: inserted mid-stack
     assert torch.equal(run(), before)
     with pytest.raises(ValueError, match="grow-layers"):
-        tt.grow_transformer(tr, 11)
+        tiny_models.grow_transformer(tr, 11)
 
 
+@pytest.mark.slow
 def test_resume_can_grow_reweight_compile_and_score_later_prompts(trained, capsys):
     """--grow-layers, --two-objects, --compile, the text-binding loss and --object-weight on a
     resumed run, then --eval-offset."""
@@ -292,11 +292,11 @@ def test_binding_signal_tells_an_order_blind_text_encoder():
     two = [s for s in heldout_specs(40) if len(s.objects) == 2]
     assert len(two) >= 5
     # a fresh encoder's states depend on the word order: swapping the motions moves them
-    assert tt.binding_signal(pipe.text_encoder, pipe.tokenizer, two, 24) > 1e-3
+    assert tiny_text.binding_signal(pipe.text_encoder, pipe.tokenizer, two, 24) > 1e-3
     same = parse_caption("a red circle moves up and a blue square moves up on a black background")
-    assert tt.binding_signal(pipe.text_encoder, pipe.tokenizer, [same], 24) == 0.0
+    assert tiny_text.binding_signal(pipe.text_encoder, pipe.tokenizer, [same], 24) == 0.0
     one = [s for s in heldout_specs(40) if len(s.objects) == 1]
-    assert tt.binding_signal(pipe.text_encoder, pipe.tokenizer, one, 24) is None
+    assert tiny_text.binding_signal(pipe.text_encoder, pipe.tokenizer, one, 24) is None
 
 
 def test_text_binding_head_reads_its_labels_from_the_caption_and_trains_binding():
@@ -305,10 +305,10 @@ def test_text_binding_head_reads_its_labels_from_the_caption_and_trains_binding(
     pipe = small_pipe()
     tok, te = pipe.tokenizer, pipe.text_encoder.train()
     width = te.config.d_model
-    head = tt.TextBindingHead(tok, width)
+    head = tiny_text.TextBindingHead(tok, width)
     torch.nn.init.zeros_(head.proj.weight)
     torch.nn.init.zeros_(head.proj.bias)
-    ids, _ = tt.tokenize(tok, ["a red circle moves up and a blue square grows on a gray background",
+    ids, _ = tiny_text.tokenize(tok, ["a red circle moves up and a blue square grows on a gray background",
                                ""], 24)
     loss, _ = head(torch.zeros(2, 24, width), ids)
     uniform = (math.log(8) + math.log(6) + math.log(3) + math.log(6)) / 4   # colour, motion, shape, motion
@@ -320,12 +320,12 @@ def test_text_binding_head_reads_its_labels_from_the_caption_and_trains_binding(
     _, acc = head(torch.zeros(1, 24, width), ids[:1])
     assert float(acc) == pytest.approx(0.5)   # every prediction of the first object, none of the second
     # a few steps on training captions teach a fresh encoder part of the binding
-    head = tt.TextBindingHead(tok, width)
+    head = tiny_text.TextBindingHead(tok, width)
     opt = torch.optim.AdamW([*te.parameters(), *head.parameters()], lr=3e-3)
     caps = [spec_at(5, k).caption for k in range(60 * 16)]
     losses = []
     for step in range(60):
-        i, m = tt.tokenize(tok, caps[16 * step:16 * step + 16], 24)
+        i, m = tiny_text.tokenize(tok, caps[16 * step:16 * step + 16], 24)
         loss, _ = head(te(i, attention_mask=m).last_hidden_state, i)
         opt.zero_grad()
         loss.backward()
@@ -339,7 +339,7 @@ def test_scale_text_attention_scales_the_logits():
     att = te.encoder.block[0].layer[0].SelfAttention
     x = torch.randn(3, att.q.in_features)
     before = att.q(x) @ att.k(x).T
-    tt.scale_text_attention(te, 0.01)
+    tiny_text.scale_text_attention(te, 0.01)
     assert torch.allclose(att.q(x) @ att.k(x).T, 0.01 * before, rtol=1e-4, atol=1e-6)
 
 
@@ -380,7 +380,7 @@ def test_eval_stage_scores_every_method_through_the_generation_code(trained, cap
     assert [c["prompt"] for c in res["clips"]] == heldout_prompts(2)
     small = load_models(out, device="cpu").pipe
     assert res["text_binding"] == pytest.approx(
-        tt.binding_signal(small.text_encoder, small.tokenizer, heldout_specs(2), 24))
+        tiny_text.binding_signal(small.text_encoder, small.tokenizer, heldout_specs(2), 24))
     assert "sage3" in capsys.readouterr().out
     # the batched evaluation gives the clip `attnqat generate` gives for that prompt and seed
     samples = np.load(root / "eval-samples.npz")
@@ -405,7 +405,38 @@ def test_bad_arguments_are_refused(tmp_path, capsys):
     assert tt.main(["--stages", "t2v", "--out", str(tmp_path / "o"), "--object-weight", "-1"]) == 2
     assert "--object-weight" in capsys.readouterr().err
     with pytest.raises(ValueError, match="budget"):
-        tt.Budget(0, 0.0, tt.Clock())
+        tiny_context.Budget(0, 0.0, tiny_context.Clock())
+
+
+def test_every_option_is_read_into_the_typed_config_exactly_once(tmp_path, capsys):
+    import argparse
+    import dataclasses
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser()
+    tiny_config.add_arguments(parser)
+    args = parser.parse_args(["--out", "o"])
+    groups = (tiny_config.RunOptions, tiny_config.VaeOptions, tiny_config.T2VOptions,
+              tiny_config.EvalOptions)
+    read = [dest for g in groups for dest in g.dests(args).values()]
+    assert sorted(read) == sorted(vars(args))   # every option once, none invented
+    cfg = tiny_config.TinyTrainConfig.from_args(parser.parse_args(
+        ["--out", "o", "--vae-lr", "0.5", "--lr", "0.25", "--eval-json", "e.json", "--stages",
+         "vae, t2v", "--sweep-guidance", "1,2.5", "--eval-methods", "bf16,sage3", "--config",
+         '{"num_layers": 1}', "--eval-frames", "9", "--frames", "17"]))
+    assert cfg.vae.lr == 0.5 and cfg.t2v.lr == 0.25 and cfg.run.stages == ("vae", "t2v")
+    assert cfg.eval.json == Path("e.json") and cfg.eval.sweep_guidance == (1.0, 2.5)
+    assert cfg.eval.methods == ("bf16", "sage3") and cfg.run.config == {"num_layers": 1}
+    assert cfg.eval.frames == 9 and cfg.run.frames == 17 and cfg.vae.frames == 13
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.t2v.lr = 1.0
+    # options that do not parse are refused in one line naming them
+    assert tt.main(["--out", str(tmp_path / "o"), "--config", "{nope"]) == 2
+    assert "--config is not valid JSON" in capsys.readouterr().err
+    assert tt.main(["--out", str(tmp_path / "o"), "--defaults", "[1]"]) == 2
+    assert "--defaults must be a JSON object" in capsys.readouterr().err
+    assert tt.main(["--out", str(tmp_path / "o"), "--sweep-guidance", "4,x"]) == 2
+    assert "--sweep-guidance" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -416,6 +447,7 @@ needs_trained = pytest.mark.skipif(SHIPPED.get("weights") != "trained",
                                    reason="the shipped tiny model is not the trained one")
 
 
+@pytest.mark.slow
 @needs_trained
 def test_shipped_model_draws_a_heldout_prompt():
     """Held-out prompt 6 with seed 6 (its colour x shape x motion triple was never shown in
@@ -437,6 +469,7 @@ def test_shipped_model_draws_a_heldout_prompt():
     assert score["prompt_score"] >= 0.75, score["objects"]
 
 
+@pytest.mark.slow
 @needs_trained
 def test_shipped_model_binds_each_motion_to_its_object():
     """Held-out prompt 0 states two objects with opposite motions; swapping the two motion words
