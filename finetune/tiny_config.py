@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from attnqat.family import WAN21_T2V
+
 STAGES = ("vae", "t2v", "eval", "export")
 TEXT_SEQ_LEN = 512        # Wan pads the prompt embeddings to 512 tokens (attnqat.generate); a
                           # model's sidecar default ``max_sequence_length`` overrides it
@@ -320,8 +322,10 @@ def problem(cfg: TinyTrainConfig) -> str | None:
         return f"unknown stage(s) {', '.join(bad)}; expected some of {', '.join(STAGES)}"
     if "export" in run.stages and run.resume is None:
         return "--stages export needs --resume"
-    if run.frames < 1 or (run.frames - 1) % 4 or cfg.vae.frames < 1 or (cfg.vae.frames - 1) % 4:
-        return "--frames and --vae-frames must be 4k+1"
+    for flag, frames in (("--frames", run.frames), ("--vae-frames", cfg.vae.frames)):
+        why = WAN21_T2V.frames_error(frames)
+        if why is not None:
+            return f"{flag}: {why}"
     if cfg.eval.offset < 0 or cfg.eval.prompts < 1:
         return "--eval-offset must be >= 0 and --eval-prompts >= 1"
     if not (t2v.text_aux >= 0.0 and t2v.text_attn_scale > 0.0 and t2v.object_weight >= 0.0):

@@ -6,23 +6,23 @@ saved."""
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from attnqat import tiny
+from attnqat.sidecar import Sidecar
+from attnqat.sidecar import read as read_sidecar
 from attnqat.finetune.schedule import EMA
 from attnqat.wan import _quiet_loading
 
 
-def _config_from(sidecar: dict) -> tiny.TinyWanConfig:
-    fields = {k: v for k, v in sidecar.get("config", {}).items()
-              if k in tiny.TinyWanConfig.__dataclass_fields__}
+def _config_from(record: Sidecar) -> tiny.TinyWanConfig:
+    fields = {k: v for k, v in record.config.items() if k in tiny.TinyWanConfig.__dataclass_fields__}
     cfg = tiny.TinyWanConfig(**fields)
-    if "defaults" in sidecar:
-        cfg = replace(cfg, defaults=dict(sidecar["defaults"]))
+    if record.defaults:
+        cfg = replace(cfg, defaults=dict(record.defaults))
     return cfg
 
 
@@ -32,7 +32,9 @@ def load_for_training(folder: Path):
     from transformers import UMT5EncoderModel
 
     folder = Path(folder)
-    sidecar = json.loads((folder / tiny.SIDECAR).read_text())
+    record = read_sidecar(folder)
+    if record is None:
+        raise FileNotFoundError(f"{folder} has no {tiny.SIDECAR}: not a saved tiny pipeline")
     with _quiet_loading():
         vae = AutoencoderKLWan.from_pretrained(folder, subfolder="vae", local_files_only=True)
         te = UMT5EncoderModel.from_pretrained(folder, subfolder="text_encoder", local_files_only=True)
@@ -42,7 +44,7 @@ def load_for_training(folder: Path):
                                            local_files_only=True)
     for m in (pipe.vae, pipe.text_encoder, pipe.transformer):
         m.float()
-    return pipe, _config_from(sidecar), sidecar
+    return pipe, _config_from(record), record.to_dict()
 
 
 def grow_transformer(transformer, layers: int) -> list[int]:
@@ -91,8 +93,8 @@ def save_model(pipe, out: Path, qat_out: Path | None, cfg: tiny.TinyWanConfig, s
     """Write the pipeline (its transformer and text encoder being the weights to ship) with a
     sidecar saying it is trained, and optionally the Attn-QAT slot as a copy of the transformer."""
     note = weights_note(state)
-    sidecar = {"kind": "tiny-wan", "weights": "trained", "seed": seed, "weights_note": note,
-               "defaults": dict(cfg.defaults), "config": tiny.config_dict(cfg), "training": state}
+    sidecar = Sidecar(kind="tiny-wan", weights="trained", seed=seed, weights_note=note,
+                      defaults=dict(cfg.defaults), config=tiny.config_dict(cfg), training=state)
     qat_note = ("BASE weights: a copy of the trained tiny transformer (" + note.split(" by ")[0] +
                 "); Attn-QAT fine-tuning has not been run on it yet, so the attnqat clip shows "
                 "plain NVFP4 attention on the base model")
