@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .attention import BACKENDS, METHODS, attention
+from .parallel import ulysses_attention
 from .reference import check_ablation
 from .tiny import SIDECAR, TINY_MODEL_DIR
 
@@ -125,6 +126,7 @@ class AttnQATProcessor:
         self.timing = timing
         self.ablation = ablation
         self.observer: Callable[..., None] | None = None
+        self.sp_group = None  # attnqat.parallel.SPGroup: Ulysses sequence parallelism (parallel.py)
         self.reset_stats()
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -221,7 +223,10 @@ class AttnQATProcessor:
             query = _apply_rotary(query, *rotary_emb)
             key = _apply_rotary(key, *rotary_emb)
 
-        out = self._attend(query, key, value, kind)  # (B, S, H, D)
+        if self.sp_group is None:
+            out = self._attend(query, key, value, kind)  # (B, S, H, D)
+        else:  # this rank's tokens; all-to-all to its heads over the whole sequence and back
+            out = ulysses_attention(self._attend, query, key, value, kind, self.sp_group)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
