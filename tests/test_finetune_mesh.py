@@ -94,3 +94,45 @@ def test_sequence_parallel_training_matches_one_process(tmp_path):
     for s in b:
         assert b[s] == pytest.approx(a[s], rel=1e-5), (s, a[s], b[s])
         assert grad_norms(sp)[s] == pytest.approx(grad_norms(one)[s], rel=1e-5)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_rehearsed_on_one_host(tmp_path):
+    """Two torchrun launches meeting at one c10d rendezvous, as on two machines (README,
+    fine-tuning on several machines): one HSDP replica per "node", equal to one process."""
+    import os
+    import subprocess
+    import sys
+
+    from test_finetune_distributed import REPO
+
+    model = small_model(tmp_path / "small-wan")
+    common = ["--model", str(model), *RUN, "--lr", "1e-3", "--warmup", "0", "--steps", "2"]
+    one = tmp_path / "one"
+    assert T.main([*common, "--out", str(one), "--batch-size", "2"]) == 0
+    run = tmp_path / "nodes"
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "t36",
+           "-m", "attnqat.finetune.train", *common, "--out", str(run), "--batch-size", "1",
+           "--replicate", "2"]
+    nodes = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(outs)
+    assert "mesh: 2 process(es) = replicate 2 × shard 1 × sp 1" in "".join(outs)
+    assert _start(run)["world"] == 2
+    a, b = losses(one), losses(run)
+    assert sorted(b) == [1, 2]
+    for s in b:
+        assert b[s] == pytest.approx(a[s], rel=1e-5), (s, a[s], b[s])
+        assert grad_norms(run)[s] == pytest.approx(grad_norms(one)[s], rel=1e-5)
