@@ -136,3 +136,31 @@ def test_two_nodes_rehearsed_on_one_host(tmp_path):
     for s in b:
         assert b[s] == pytest.approx(a[s], rel=1e-5), (s, a[s], b[s])
         assert grad_norms(run)[s] == pytest.approx(grad_norms(one)[s], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_bench_train_sp2_gives_the_one_process_losses(tmp_path):
+    """``attnqat bench train --sp 2`` (the GPU benchmark's sp rows) on two gloo processes: the same
+    losses as one process, half the tokens per GPU."""
+    import os
+    import subprocess
+    import sys
+
+    from attnqat.cli import main
+    from test_finetune_distributed import REPO
+
+    args = ["bench", "train", "--config", "tiny", "--resolution", "32x32", "--frames", "5",
+            "--steps", "1", "--warmup", "1", "--device", "cpu", "--methods", "bf16,attnqat"]
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    assert main([*args, "--json", str(one)]) == 0
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node=2", "-m", "attnqat.cli", *args, "--sp", "2",
+                          "--json", str(two)], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    a, b = json.loads(one.read_text()), json.loads(two.read_text())
+    assert (b["gpus"], b["sp"]) == (2, 2)
+    for ra, rb in zip(a["rows"], b["rows"], strict=True):
+        assert rb["tokens_per_step_per_gpu"] * 2 == ra["tokens_per_step_per_gpu"] == 8
+        assert rb["losses"] == pytest.approx(ra["losses"], rel=1e-5), (ra["method"], ra["losses"], rb["losses"])
