@@ -111,6 +111,11 @@ class AttnQATProcessor:
     Attribute ``observer``, when set, is called as ``observer(q, k, v, out, kind)`` after every
     attention call (``kind``: ``"self"`` or ``"cross"``; tensors (B, S, H, D)) — measurements of
     what the attention sees, e.g. :mod:`attnqat.finetune.attn_probe`.
+
+    Attribute ``sp_group`` (an :class:`attnqat.parallel.SPGroup`, set by
+    :func:`attnqat.parallel.enable_sequence_parallel`) makes the calls sequence-parallel: this
+    rank's tokens in, an all-to-all to the whole sequence for its heads around the attention (the
+    observer then sees those (B, S, H/sp, D) tensors), this rank's tokens out.
     """
 
     def __init__(self, method: str = "bf16", fp4_scope: str = "self", backend: str = "auto",
