@@ -30,10 +30,7 @@ def model(seed: int = 0):
     from diffusers import WanTransformer3DModel
 
     torch.manual_seed(seed)
-    m = WanTransformer3DModel(**CONFIG).float()
-    # diffusers zero-initializes nothing that matters here, but give the output head weight so
-    # that its gradient reaches the blocks
-    return m
+    return WanTransformer3DModel(**CONFIG).float()
 
 
 def inputs(seed: int = 1):
@@ -49,51 +46,57 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def forward_backward(rank: int, world: int, store_path: str, out_path: str, method: str,
-                     scope: str, backward: bool) -> None:
-    """sp = ``world`` against sp = 1 on one transformer; writes {"out": rel, "grads": max rel}."""
+def forward_backward(rank: int, world: int, store_path: str, out_path: str,
+                     cases: list[tuple[str, str, bool]]) -> None:
+    """sp = ``world`` against sp = 1 for each (method, fp4 scope, backward) of ``cases``; rank 0
+    writes {"method/scope": {"out": rel, "grads": max rel, ...}}."""
+    init(rank, world, store_path)
+    try:
+        every = {f"{m}/{sc}": _case(m, sc, bw) for m, sc, bw in cases}
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(every))
+    finally:
+        dist.destroy_process_group()
+
+
+def _case(method: str, scope: str, backward: bool) -> dict:
     from attnqat.parallel import enable_sequence_parallel
     from attnqat.wan import install_attention
 
-    init(rank, world, store_path)
-    try:
-        x, t, text, target = inputs()
-        results = {}
-        ref = model()
-        install_attention(ref, method, fp4_scope=scope, backend="torch", timing=False)
-        ref.requires_grad_(backward)
-        with torch.set_grad_enabled(backward):
-            y_ref = ref(x, t, text, return_dict=False)[0]
-            if backward:
-                ((y_ref - target) ** 2).mean().backward()
-        sp = model()
-        proc = install_attention(sp, method, fp4_scope=scope, backend="torch", timing=False)
-        handle = enable_sequence_parallel(sp, dist.group.WORLD)
-        seen = set()
-        proc.observer = lambda q, k, v, o, kind: seen.add((kind, tuple(q.shape), tuple(k.shape)))
-        sp.requires_grad_(backward)
-        with torch.set_grad_enabled(backward):
-            y = sp(x, t, text, return_dict=False)[0]
-            if backward:
-                ((y - target) ** 2).mean().backward()
-        results["out"] = rel(y.detach(), y_ref.detach())
-        results["calls"] = dict(proc.calls)
-        results["seen"] = sorted(seen)
-        proc.observer = None
+    x, t, text, target = inputs()
+    results = {}
+    ref = model()
+    install_attention(ref, method, fp4_scope=scope, backend="torch", timing=False)
+    ref.requires_grad_(backward)
+    with torch.set_grad_enabled(backward):
+        y_ref = ref(x, t, text, return_dict=False)[0]
         if backward:
-            worst, name = 0.0, ""
-            for (n, p), (_, q) in zip(sp.named_parameters(), ref.named_parameters()):
-                gsum = p.grad.clone()
-                dist.all_reduce(gsum)          # the group's partial gradients sum to the gradient
-                r = rel(gsum, q.grad)
-                if r > worst:
-                    worst, name = r, n
-            results["grads"] = worst
-            results["worst"] = name
-        handle.remove()
-        y1 = sp(x, t, text, return_dict=False)[0]     # removed: the one-process model again
-        results["removed"] = rel(y1.detach(), y_ref.detach())
-        if rank == 0:
-            Path(out_path).write_text(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
+            ((y_ref - target) ** 2).mean().backward()
+    sp = model()
+    proc = install_attention(sp, method, fp4_scope=scope, backend="torch", timing=False)
+    handle = enable_sequence_parallel(sp, dist.group.WORLD)
+    seen = set()
+    proc.observer = lambda q, k, v, o, kind: seen.add((kind, tuple(q.shape), tuple(k.shape)))
+    sp.requires_grad_(backward)
+    with torch.set_grad_enabled(backward):
+        y = sp(x, t, text, return_dict=False)[0]
+        if backward:
+            ((y - target) ** 2).mean().backward()
+    results["out"] = rel(y.detach(), y_ref.detach())
+    results["calls"] = dict(proc.calls)
+    results["seen"] = sorted(seen)
+    proc.observer = None
+    if backward:
+        worst, name = 0.0, ""
+        for (n, p), (_, q) in zip(sp.named_parameters(), ref.named_parameters()):
+            gsum = p.grad.clone()
+            dist.all_reduce(gsum)          # the group's partial gradients sum to the gradient
+            r = rel(gsum, q.grad)
+            if r > worst:
+                worst, name = r, n
+        results["grads"] = worst
+        results["worst"] = name
+    handle.remove()
+    y1 = sp(x, t, text, return_dict=False)[0]     # removed: the one-process model again
+    results["removed"] = rel(y1.detach(), y_ref.detach())
+    return results
