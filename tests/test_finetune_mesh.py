@@ -81,11 +81,11 @@ def test_sequence_parallel_training_matches_one_process(tmp_path):
                        sidecar={"kind": "tiny-wan", "weights": "random-init", "seed": 0,
                                 "defaults": DEFAULTS, "config": tiny.config_dict(cfg)})
     common = ["--model", str(folder), *RUN, "--lr", "1e-3", "--warmup", "0", "--steps", "2",
-              "--batch-size", "2", "--attention", "attnqat", "--backend", "torch"]
+              "--attention", "attnqat", "--backend", "torch"]
     one = tmp_path / "one"
-    assert T.main([*common, "--out", str(one)]) == 0
+    assert T.main([*common, "--out", str(one), "--batch-size", "2"]) == 0
     sp = tmp_path / "sp"
-    res = torchrun(2, *common, "--out", str(sp), "--sp", "2")
+    res = torchrun(2, *common, "--out", str(sp), "--batch-size", "2", "--sp", "2")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "replicate 1 × shard 1 × sp 2; global batch 2" in res.stdout + res.stderr
     assert _start(sp)["world"] == 2
@@ -94,6 +94,16 @@ def test_sequence_parallel_training_matches_one_process(tmp_path):
     for s in b:
         assert b[s] == pytest.approx(a[s], rel=1e-5), (s, a[s], b[s])
         assert grad_norms(sp)[s] == pytest.approx(grad_norms(one)[s], rel=1e-5)
+    # the 3-D mesh: 2 replicas × 1 shard × sp 2, one clip per sp group: the same global batch
+    three = tmp_path / "three-d"
+    res = torchrun(4, *common, "--out", str(three), "--batch-size", "1", "--sp", "2", "--replicate", "2")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert ("replicate 2 × shard 1 × sp 2; global batch 2 = 2 replica(s) × 1 shard(s) × 1 per GPU"
+            in res.stdout + res.stderr)
+    c = losses(three)
+    for s in (1, 2):
+        assert c[s] == pytest.approx(a[s], rel=1e-5), (s, a[s], c[s])
+        assert grad_norms(three)[s] == pytest.approx(grad_norms(one)[s], rel=1e-5)
 
 
 def _free_port() -> int:
