@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for PyTorch (None: PyTorch's default, one per core; on a "
                              "CPU shared with other work, 1 is often much faster)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="Ulysses sequence parallelism over N processes (one per GPU): launch "
+                             "with `torchrun --nproc-per-node N -m attnqat.cli generate --sp N …`; "
+                             "every method gives the one-GPU clip, rank 0 writes the outputs [1]")
 
 
 def option(field: str | None) -> str:
@@ -123,6 +127,13 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             print(f"attnqat generate: error: --threads: at least 1, got {args.threads}", file=sys.stderr)
             return 2
+    if args.sp != 1:
+        if args.sp < 1:
+            print(f"attnqat generate: error: --sp: at least 1, got {args.sp}", file=sys.stderr)
+            return 2
+        from .generate_sp import run as run_sp
+
+        return run_sp(args)
         import torch
 
         torch.set_num_threads(args.threads)
@@ -135,6 +146,12 @@ def run(args: argparse.Namespace) -> int:
         for line in error_lines(exc):
             print(f"attnqat generate: error: {line}", file=sys.stderr)
         return 2
+    summary(result)
+    return 0
+
+
+def summary(result) -> None:
+    """Print the settings, the per-method table and where the outputs went."""
     rec = result.record
     s = rec.settings
     print(f"{s['width']}x{s['height']} (width x height), {s['frames']} frames at {s['fps']:g} fps, "
@@ -160,4 +177,3 @@ def run(args: argparse.Namespace) -> int:
     if rec.qat_weights_note:
         print(f"note: {rec.qat_weights_note}")
     print(f"wrote {result.out}")
-    return 0

@@ -40,6 +40,7 @@ from . import methods as registry
 from .attention import BACKENDS, attention
 from .convert import load_wan_transformer
 from .family import WAN21_T2V, WAN_NEGATIVE_PROMPT, ModelFamily, by_pipeline_class, families
+from .parallel import ulysses_attention
 from .reference import check_ablation
 from . import sidecar as sc
 from .tiny import TINY_MODEL_DIR
@@ -103,6 +104,11 @@ class AttnQATProcessor:
     Attribute ``observer``, when set, is called as ``observer(q, k, v, out, kind)`` after every
     attention call (``kind``: ``"self"`` or ``"cross"``; tensors (B, S, H, D)) — measurements of
     what the attention sees, e.g. :mod:`attnqat.finetune.attn_probe`.
+
+    Attribute ``sp_group`` (an :class:`attnqat.parallel.SPGroup`, set by
+    :func:`attnqat.parallel.enable_sequence_parallel`) makes the calls sequence-parallel: this
+    rank's tokens in, an all-to-all to the whole sequence for its heads around the attention (the
+    observer then sees those (B, S, H/sp, D) tensors), this rank's tokens out.
     """
 
     def __init__(self, method: str = "bf16", fp4_scope: str = "self", backend: str = "auto",
@@ -118,6 +124,7 @@ class AttnQATProcessor:
         self.timing = timing
         self.ablation = ablation
         self.observer: Callable[..., None] | None = None
+        self.sp_group = None  # attnqat.parallel.SPGroup: Ulysses sequence parallelism (parallel.py)
         self.reset_stats()
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -216,7 +223,10 @@ class AttnQATProcessor:
             query = _apply_rotary(query, *rotary_emb)
             key = _apply_rotary(key, *rotary_emb)
 
-        out = self._attend(query, key, value, kind)  # (B, S, H, D)
+        if self.sp_group is None:
+            out = self._attend(query, key, value, kind)  # (B, S, H, D)
+        else:  # this rank's tokens; all-to-all to its heads over the whole sequence and back
+            out = ulysses_attention(self._attend, query, key, value, kind, self.sp_group)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)

@@ -62,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--published-kernel", type=Path, default=None,
                         help="folder holding the published fastvideo_kernel package; adds a row")
     parser.add_argument("--device", default="auto", help="auto | cuda | cpu (cpu: --config tiny)")
+    parser.add_argument("--sp", type=int, default=1,
+                        help="Ulysses sequence parallelism under torchrun: each clip's tokens over "
+                             "this many GPUs (attnqat/finetune/mesh.py); 1: data parallel [1]")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
 
 
@@ -101,7 +104,7 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
     model = build_random_transformer(config, torch.device("cpu") if offload else dev,
                                      dtype=torch.float32, seed=0)
     lat = (config["in_channels"], (frames - 1) // 4 + 1, height // 8, width // 8)
-    gen = torch.Generator(device="cpu").manual_seed(1 + ctx.rank)
+    gen = torch.Generator(device="cpu").manual_seed(1 + ctx.data_rank)   # an sp group: one clip
     latents = torch.randn(1, *lat, generator=gen).to(dev)
     text = torch.randn(1, 512, config["text_dim"], generator=gen).to(dev)
     trainer = Trainer(cfg, model, ctx, torch.zeros(512, config["text_dim"]))
@@ -118,7 +121,7 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
                 torch.cuda.reset_peak_memory_stats(dev)
             sync()
             t0 = time.perf_counter()
-            losses.append(float(trainer.micro_step(latents, text, torch.tensor([i * ctx.world + ctx.rank]))))
+            losses.append(float(trainer.micro_step(latents, text, torch.tensor([i * ctx.data_world + ctx.data_rank]))))
             trainer.optimizer_step(i)
             sync()
             if i >= warmup:
@@ -127,7 +130,7 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
     import resource
 
     host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20   # GiB, this process
-    tokens = tokens_per_sample(config, lat)
+    tokens = tokens_per_sample(config, lat) // ctx.sp   # each GPU of an sp group: 1/sp of the clip
     step = statistics.median(times)
     row = {"method": method, "step_s": step, "step_all_s": times, "peak_memory_gib": peak,
            "tokens_per_step_per_gpu": tokens, "tokens_per_s_per_gpu": tokens / step,
@@ -176,7 +179,13 @@ def run(args: argparse.Namespace) -> int:
         if not (args.published_kernel / "fastvideo_kernel").is_dir():
             return fail(f"--published-kernel {args.published_kernel} holds no fastvideo_kernel package")
         methods.append("published")
-    ctx = distributed.init(args.device)
+    from . import mesh
+
+    try:
+        ctx = mesh.setup(distributed.init(args.device), args.sp, 1)
+    except ValueError as exc:
+        distributed.shutdown()
+        return fail(str(exc))
     try:
         if ctx.device.type != "cuda" and args.config != "tiny":
             return fail(f"the {args.config} config needs a CUDA GPU; use --config tiny on the CPU")
@@ -197,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_rows(rows, ctx.world))
             out = {"benchmark": "wan_transformer_training_step", "config": args.config,
                    "height": h, "width": w, "frames": args.frames, "batch_per_gpu": 1,
-                   "gpus": ctx.world, "warmup": args.warmup, "steps": args.steps,
+                   "gpus": ctx.world, "sp": ctx.sp, "warmup": args.warmup, "steps": args.steps,
                    "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
                    "versions": versions(), "date": now(),
                    "rows": rows}

@@ -39,10 +39,22 @@ class DistContext:
     backend: str
     mesh: object
     launched: bool   # started by torchrun (else a world of one made here)
+    sp: int = 1            # Ulysses degree and group (finetune/mesh.py); replicas of HSDP
+    sp_group: object = None
+    replicate: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of the data this rank reads (the ranks of one sp group read the same)."""
+        return self.rank // self.sp
+
+    @property
+    def data_world(self) -> int:
+        return self.world // self.sp
 
 
 def init(device: str = "auto") -> DistContext:

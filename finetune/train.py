@@ -42,6 +42,7 @@ from . import checkpoint as ckpt
 from .cache import check_fps, model_fps
 from .data import (CACHE_MANIFEST, DataError, DataOrder, LatentCache, data_fingerprint, loader,
                    open_source, pad_text, read_cache_manifest, sample_seed)
+from . import mesh
 from .distributed import PRECISIONS, DistContext, all_max, all_sum, local
 from .objective import (OBJECTIVES, SIGMA_SAMPLINGS, distill_target, flow_matching_loss, make_teacher,
                         noisy_input, predict, sample_sigma)
@@ -140,6 +141,8 @@ class TrainConfig:
     progress: bool = True
     max_sequence_length: int | None = None
     recipe: str = ""
+    sp: int = 1          # finetune/mesh.py
+    replicate: int = 1
     resumed_from: str | None = None
     data_fingerprint: str | None = None
 
@@ -259,6 +262,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gradient-checkpointing", action=bool_flag,
                    help="recompute each WanTransformerBlock in the backward [recipe]")
     g.add_argument("--compile", action=bool_flag, help="torch.compile every block [no]")
+    mesh.add_arguments(parser)
     g = parser.add_argument_group("checkpoints, logs, validation")
     g.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (also on "
                                                         "SIGTERM/SIGINT and at the end) [500]")
@@ -527,6 +531,7 @@ class Trainer:
             add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
         self.proc = install_attention(self.model, cfg.attention, fp4_scope=cfg.scope,
                                       backend=cfg.backend, timing=False, ablation=cfg.ablation)
+        mesh.apply_sp(self.model, ctx)
         if cfg.gradient_checkpointing:
             self.model.enable_gradient_checkpointing()
         self.model.train()
@@ -592,7 +597,7 @@ class Trainer:
                 target = distill_target(self.teacher, x_t, timestep, text)
             pred = predict(self.model, x_t, timestep, text)
         loss = flow_matching_loss(pred, target)
-        (loss / self.cfg.grad_accum).backward()
+        (loss * self.ctx.sp / self.cfg.grad_accum).backward()   # × sp: finetune/mesh.py
         return loss.detach()
 
     def optimizer_step(self, step: int) -> dict:
@@ -605,7 +610,7 @@ class Trainer:
         norms = torch.stack([n.float() for n in torch._foreach_norm(grads)]).to(self.ctx.device)
         sq = torch.zeros(len(self.group_names), device=self.ctx.device, dtype=torch.float32)
         sq.index_add_(0, torch.tensor(self.group_of, device=self.ctx.device), norms.square())
-        sq = all_sum(sq, self.ctx)
+        sq = all_sum(sq, self.ctx) / self.ctx.replicate   # HSDP replicas hold the same shards
         total = float(sq.sum().sqrt())
         if not math.isfinite(total):
             self.optimizer.zero_grad(set_to_none=True)
@@ -809,7 +814,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     tcfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(transformer.config).items()
             if not k.startswith("_")}
     trainer = Trainer(cfg, transformer, ctx, empty)
-    gb = cfg.global_batch(ctx.world)
+    gb = cfg.global_batch(ctx.data_world)
+    say(mesh.describe(ctx, cfg.batch_size, cfg.grad_accum))
     step, samples = 0, 0
     if resume_from is not None:
         state = ckpt.load(resume_from, trainer.model, trainer.optimizer, trainer.ema, ctx)
@@ -863,8 +869,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     try:
-        batches = loader(source, order, start=samples, batch=cfg.batch_size, rank=ctx.rank,
-                         world=ctx.world, accum=cfg.grad_accum, workers=cfg.workers)
+        batches = loader(source, order, start=samples, batch=cfg.batch_size, rank=ctx.data_rank,
+                         world=ctx.data_world, accum=cfg.grad_accum, workers=cfg.workers)
         while step < cfg.steps:
             t0 = time.perf_counter()
             loss_sum = torch.zeros((), device=ctx.device)
@@ -969,13 +975,14 @@ def run(args: argparse.Namespace) -> int:
 
     prog = "attnqat finetune train"
     try:
-        ctx = distributed.init(args.device or "auto")
+        ctx = mesh.setup(distributed.init(args.device or "auto"), args.sp, args.replicate)
     except ValueError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     try:
         try:
             cfg = resolve_config(args, ctx.world)
+            cfg.sp, cfg.replicate = ctx.sp, ctx.replicate   # this run's mesh (finetune/mesh.py)
             return train(cfg, ctx)
         except (ValueError, DataError, ModelLoadError, FileNotFoundError) as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
