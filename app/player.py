@@ -142,6 +142,48 @@ def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tupl
     ]
 
 
+_IMPL_NAMES = {"sdpa": "PyTorch SDPA", "reference": "the PyTorch reference", "triton": "Triton kernel",
+               "gluon": "Gluon kernel", "gluon+triton": "Gluon and Triton kernels",
+               "triton+gluon": "Triton and Gluon kernels"}
+
+
+def receipt_lines(entry: dict[str, Any]) -> list[str]:
+    """What the method's attention calls actually ran, one line per kind of call (from the
+    record's ``dispatch``, logged by the processor as each call ran)."""
+    out = []
+    for d in entry.get("dispatch") or []:
+        impl = _IMPL_NAMES.get(d.get("implementation"), str(d.get("implementation")))
+        if d.get("implementation") == "sdpa" and d.get("detail"):
+            impl += f" ({d['detail'].lower()} backend)"
+        name = METHOD_LABELS.get(d.get("method"), d.get("method"))
+        out.append(f"{d.get('kind')}-attention: {name} on {impl} · {d.get('dtype')} on "
+                   f"{d.get('device')} · {d.get('calls')} calls")
+    return out
+
+
+def render_receipt(entry: dict[str, Any]) -> str:
+    """The panel's receipt: which kernel ran, in which precision, on which device, and a loud
+    warning for anything that fell back."""
+    lines = receipt_lines(entry)
+    if not lines:
+        return '<div class="aq-receipt aq-sub">Receipt: not recorded in this result.</div>'
+    items = "".join(f"<li>{_esc(x)}</li>" for x in lines)
+    warn = ""
+    fallbacks = entry.get("fallbacks") or []
+    if fallbacks:
+        warn = ('<div class="aq-fallback" role="alert"><b>⚠ Fell back:</b> '
+                + " ".join(_esc(f) for f in fallbacks) + "</div>")
+    cpu_4bit = [d for d in entry.get("dispatch") or []
+                if d.get("implementation") == "reference" and not d.get("fallback")
+                and str(d.get("device", "")).startswith("cpu")]
+    note = ('<div class="aq-sub">4-bit attention on the CPU is the PyTorch reference: the same '
+            'numbers as the kernels, not their speed (the kernels need a CUDA GPU).</div>'
+            if cpu_4bit else "")
+    return (f'<details class="aq-receipt" {"open" if fallbacks else ""}>'
+            f'<summary>Receipt: what ran{" — FELL BACK" if fallbacks else ""}</summary>'
+            f'{warn}<ul>{items}</ul>{note}</details>')
+
+
 # ----------------------------------------------------------------------------------------------
 # The players
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +254,7 @@ def render_player(view: ResultView | None) -> str:
             f'<figure class="aq-clip" data-method="{_esc(method)}">'
             f'<figcaption class="aq-label"><b>{_esc(label)}</b>'
             f'<span>{_esc(method_note(view.record, method))}</span></figcaption>{video}'
-            f'<dl class="aq-card">{rows}</dl>'
+            f'<dl class="aq-card">{rows}</dl>{render_receipt(rec_methods.get(method, {}))}'
             f'<a class="aq-dl" href="{_esc(src)}" download="{_esc(name)}">Download {_esc(name)}</a>'
             f'</figure>')
     note = ("Blind mode: the clips are shuffled and unlabelled. Press “Reveal labels” to see which "
@@ -363,5 +405,5 @@ def render_summary(record: dict[str, Any], seconds: float | None = None,
 
 
 __all__ = ["ResultView", "file_url", "fmt_bytes", "fmt_seconds", "method_label", "metric_rows",
-           "read_static", "record_notes", "render_error", "render_input_errors", "render_notes",
+           "read_static", "receipt_lines", "record_notes", "render_receipt", "render_error", "render_input_errors", "render_notes",
            "render_plan", "render_player", "render_progress", "render_queued", "render_summary"]

@@ -18,12 +18,22 @@ Backends: ``"torch"`` is the PyTorch reference (:mod:`attnqat.reference`), ``"tr
 kernels of :mod:`attnqat.kernels` (CUDA), ``"auto"`` the kernels where they support the inputs and
 otherwise the PyTorch reference OF THE SAME METHOD, with a one-time warning saying why. No backend
 ever substitutes a different method.
+
+What ran is recorded, not inferred from the settings: inside :func:`dispatch_log` every call adds
+one :class:`Dispatch` — the implementation that computed it (``sdpa`` with the SDPA backend torch's
+own dispatcher picked, ``reference``, ``triton`` or ``gluon`` as the kernels' dispatch noted it),
+device, dtype, and the reason when ``auto`` fell back from the kernels to the reference.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +47,78 @@ BACKENDS = ("auto", "torch", "triton")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One kind of attention call as it ran: ``method``; ``implementation`` — ``"sdpa"`` (PyTorch
+    scaled_dot_product_attention; ``detail`` is the backend torch's dispatcher chose for these
+    inputs: FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION, MATH, ...), ``"reference"``
+    (the PyTorch reference of :mod:`attnqat.reference`), ``"triton"`` or ``"gluon"`` (the fused
+    kernels, as their own dispatch chose); ``fallback`` — why ``backend="auto"`` did not run the
+    kernels it would have preferred (None when nothing fell back)."""
+
+    method: str
+    implementation: str
+    device: str
+    dtype: str
+    backend: str
+    detail: str | None = None
+    fallback: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DispatchLog:
+    """Counts of :class:`Dispatch` records gathered by :func:`dispatch_log`."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[Dispatch] = Counter()
+
+    def add(self, d: Dispatch) -> None:
+        self.counts[d] += 1
+
+    def clear(self) -> None:
+        self.counts.clear()
+
+    def entries(self) -> list[dict]:
+        """Each distinct dispatch with its ``calls``, most frequent first."""
+        return [{**d.to_dict(), "calls": n} for d, n in self.counts.most_common()]
+
+
+_LOG: ContextVar[DispatchLog | None] = ContextVar("attnqat_dispatch_log", default=None)
+
+
+@contextmanager
+def dispatch_log(log: DispatchLog | None = None) -> Iterator[DispatchLog]:
+    """Record every :func:`attention` call inside the block into ``log`` (a new one if None)."""
+    log = DispatchLog() if log is None else log
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+def _sdpa_backend(q, k, v, scale: float) -> str:
+    """The SDPA backend torch's dispatcher picks for these (B, H, S, D) inputs (the function SDPA
+    itself calls to choose)."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, False, scale=scale)).name
+    except Exception as exc:  # noqa: BLE001 - a private torch function; say that it is unknown
+        return f"unknown ({type(exc).__name__})"
+
+
+def _record(q, method: str, implementation: str, backend: str, detail: str | None = None,
+            fallback: str | None = None) -> None:
+    log = _LOG.get()
+    if log is not None:
+        log.add(Dispatch(method=method, implementation=implementation, device=str(q.device),
+                         dtype=str(q.dtype).removeprefix("torch."), backend=backend, detail=detail,
+                         fallback=fallback))
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -125,10 +207,15 @@ class _FP4TrainingAttention(torch.autograd.Function):
                 None, None, None)
 
 
-def _torch_attention(q, k, v, method: str, scale: float, ablation: str | None = None) -> torch.Tensor:
+def _torch_attention(q, k, v, method: str, scale: float, ablation: str | None = None, *,
+                     backend: str = "torch", fallback: str | None = None) -> torch.Tensor:
     if method == "bf16":
-        o = F.scaled_dot_product_attention(_bhsd(q), _bhsd(k), _bhsd(v), scale=scale)
+        qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
+        if _LOG.get() is not None:
+            _record(q, method, "sdpa", backend, _sdpa_backend(qb, kb, vb, scale), fallback)
+        o = F.scaled_dot_product_attention(qb, kb, vb, scale=scale)
         return o.transpose(1, 2)
+    _record(q, method, "reference", backend, ablation, fallback)
     if method in ("attnqat", "dropin"):
         return _FP4TrainingAttention.apply(q, k, v, scale, method, ablation)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -681,7 +681,8 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
             transformer="attnqat" if slot == "attnqat" else "base", attention_method=attn_method,
             timings=timings, attention_calls=stats["calls"],
             transformer_calls=settings.transformer_calls_per_method, peak_memory_bytes=peak,
-            peak_memory_kind=peak_kind)
+            peak_memory_kind=peak_kind, dispatch=stats["dispatch"],
+            fallbacks=dispatch_fallbacks(stats["dispatch"]))
         emit("done", slot, settings.steps, timings)
         if log is not None:
             log(f"{slot}: denoising {t_denoise:.2f} s (attention {attn_s:.2f} s), decoding {t_decode:.2f} s")
@@ -708,6 +709,13 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
         qat_weights_note=models.qat_info.get("note") if with_qat else None,
         methods=per_method)
     return GenerationResult(record=record, videos=videos, initial_latents=lat0)
+
+
+def dispatch_fallbacks(dispatch: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per distinct fallback in a processor's dispatch log (empty: nothing fell back)."""
+    return [f"{d['kind']}-attention {d['method']} ran the {d['implementation']} instead of the "
+            f"kernels ({d['calls']} calls): {d['fallback']}"
+            for d in dispatch if d.get("fallback")]
 
 
 def versions() -> dict[str, Any]:
@@ -843,5 +851,5 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
 
 __all__ = ["GENERATION_METHODS", "GenerationError", "GenerationResult", "GenerationSettings",
            "InvalidInput", "Limits", "METHOD_LABELS", "MAX_SEED", "SLOT_ATTENTION", "StepEvent",
-           "decode", "denoise", "encode_prompts", "generate", "initial_latents", "method_label",
+           "decode", "denoise", "dispatch_fallbacks", "encode_prompts", "generate", "initial_latents", "method_label",
            "parse_methods", "resolve_settings", "run_methods", "versions", "write_outputs"]

@@ -49,6 +49,11 @@ class MethodRecord:
 
     ``psnr`` (dB) and ``ssim`` compare the clip with the BF16 clip (None for BF16 itself, when BF16
     was not run, and ``psnr`` also when the clips are identical: ``identical_to_bf16``).
+
+    ``dispatch`` is what the attention calls actually ran, as the processor logged it
+    (:meth:`attnqat.wan.AttnQATProcessor.stats`: kind, method, implementation, SDPA backend or
+    kernel, device, dtype, calls, fallback reason); ``fallbacks`` one line per distinct fallback
+    (empty when nothing fell back).
     """
 
     video: str | None = None
@@ -63,6 +68,8 @@ class MethodRecord:
     psnr: float | None = None
     ssim: float | None = None
     identical_to_bf16: bool | None = None
+    dispatch: list[dict[str, Any]] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MethodRecord":
