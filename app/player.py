@@ -110,8 +110,11 @@ def method_note(record: dict[str, Any], method: str) -> str:
     return _method_note(method, record.get("qat"))
 
 
-def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tuple[str, str, str]]:
-    """(name, value, tooltip) rows of one method's card."""
+def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool,
+                drift: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
+    """(name, value, tooltip) rows of one method's card. PSNR/SSIM are the 4-bit error (against
+    BF16 attention with the same weights); Attn-QAT's card adds the fine-tuning ``drift`` (the
+    record's ``weights_drift``)."""
     t = entry.get("timings", {})
     share = t.get("attention_share_of_denoising")
     att = fmt_seconds(t.get("attention_s"))
@@ -121,25 +124,38 @@ def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tupl
     mem_tip = ("peak GPU memory allocated during this method" if kind == "cuda_max_memory_allocated"
                else "peak resident memory of the app process so far (on the CPU it cannot be reset "
                     "between methods)")
+    has_ref = entry.get("reference") is not None
     if method == "bf16":
         psnr = ssim = "reference"
-    elif not bf16_run:
+    elif not has_ref and not bf16_run:
         psnr = ssim = "— (BF16 not run)"
     elif entry.get("identical_to_bf16"):
         psnr, ssim = "identical", f"{entry['ssim']:.4f}" if entry.get("ssim") is not None else "1"
     else:
         psnr = f"{entry['psnr']:.2f} dB" if entry.get("psnr") is not None else "—"
         ssim = f"{entry['ssim']:.4f}" if entry.get("ssim") is not None else "—"
-    return [
+    same = ("against the Attn-QAT weights' own BF16 clip (BF16 attention): the 4-bit error, "
+            "fine-tuning drift excluded" if method == "attnqat" else
+            "against the BF16 clip (the same weights with BF16 attention): the 4-bit error")
+    rows = [
         ("Total", fmt_seconds(t.get("total_s")), "denoising plus decoding of this clip (the text "
                                                  "encoding is shared and shown in the summary)"),
         ("Denoising", fmt_seconds(t.get("denoising_s")), "time of the denoising loop"),
         ("Decoding", fmt_seconds(t.get("decoding_s")), "time of the VAE decode"),
         ("Attention", att, "time inside attention calls, and its share of denoising"),
         ("Peak memory", fmt_bytes(entry.get("peak_memory_bytes")), mem_tip),
-        ("PSNR vs BF16", psnr, "peak signal-to-noise ratio against the BF16 clip (higher is closer)"),
-        ("SSIM vs BF16", ssim, "structural similarity against the BF16 clip (1 is identical)"),
+        ("PSNR vs BF16", psnr, f"peak signal-to-noise ratio {same} (higher is closer)"),
+        ("SSIM vs BF16", ssim, f"structural similarity {same} (1 is identical)"),
     ]
+    if method == "attnqat" and drift is not None:
+        d = "identical" if drift.get("identical") else (
+            f"{drift['psnr']:.2f} dB" if drift.get("psnr") is not None else "—")
+        if drift.get("ssim") is not None:
+            d += f" · SSIM {drift['ssim']:.4f}"
+        rows.append(("Drift from base", d, "fine-tuning drift, no 4-bit error in it: the Attn-QAT "
+                                           "weights with BF16 attention against the base model's "
+                                           "BF16 clip"))
+    return rows
 
 
 _IMPL_NAMES = {"sdpa": "PyTorch SDPA", "reference": "the PyTorch reference", "triton": "Triton kernel",
@@ -248,7 +264,8 @@ def render_player(view: ResultView | None) -> str:
         label = method_label(view.record, method)
         names.append(label)
         rows = "".join(f'<dt title="{_esc(tip)}">{_esc(k)}</dt><dd>{_esc(v)}</dd>'
-                       for k, v, tip in metric_rows(method, rec_methods.get(method, {}), bf16_run))
+                       for k, v, tip in metric_rows(method, rec_methods.get(method, {}), bf16_run,
+                                                    view.record.get("weights_drift")))
         name = f"{method}.mp4"
         figures.append(
             f'<figure class="aq-clip" data-method="{_esc(method)}">'
@@ -260,6 +277,8 @@ def render_player(view: ResultView | None) -> str:
     note = ("Blind mode: the clips are shuffled and unlabelled. Press “Reveal labels” to see which "
             "is which." if hidden else
             ("Revealed: the clips stay in their blind order." if view.blind else ""))
+    which = ("" if hidden or not view.record.get("comparison_note") else
+             f'<p class="aq-sub aq-which">{_esc(view.record["comparison_note"])}</p>')
     cols = len(order)
     controls = (
         '<div class="aq-controls"><button type="button" class="aq-toggle">Pause</button>'
@@ -272,7 +291,7 @@ def render_player(view: ResultView | None) -> str:
         f'<span class="aq-player-msg">{_esc(note)}</span></div>')
     return (f'<div class="aq-player" data-count="{cols}" data-blind="{"yes" if hidden else "no"}" '
             f'data-fps="{fps:g}" data-frames="{nframes}" style="--aq-cols: {cols}">'
-            f'{controls}<div class="aq-row">{"".join(figures)}</div>'
+            f'{controls}<div class="aq-row">{"".join(figures)}</div>{which}'
             f'{_compare_html(names, srcs, aspect) if cols > 1 else ""}</div>')
 
 

@@ -53,7 +53,8 @@ import numpy as np
 import torch
 
 from . import video as vid
-from .record import GenerationRecord, MethodRecord, Precision, QATRecord, Timings
+from .record import (COMPARISON_NOTE, WEIGHTS_REFERENCE, GenerationRecord, MethodRecord, Precision,
+                     QATRecord, Timings)
 from .wan import (DEFAULT_MODEL, FP4_SCOPES, ModelInfo, ModelLoadError, WanModels, default_shift,
                   dtype_name, latent_shape, load_models, model_info, resolve_device, resolve_dtype,
                   set_method)
@@ -163,12 +164,16 @@ class GenerationResult:
         videos: method → (frames, height, width, 3) uint8 RGB.
         out: the folder written, or None when ``out`` was None.
         initial_latents: the noise every method started from (CPU, float32).
+        reference_videos: the reference clips that are not methods (:data:`WEIGHTS_REFERENCE`:
+            the Attn-QAT weights with BF16 attention), frames as ``videos``; kept in memory for
+            the comparisons, not written (the record holds their measurements).
     """
 
     record: GenerationRecord
     videos: dict[str, np.ndarray]
     out: Path | None = None
     initial_latents: torch.Tensor | None = field(default=None, repr=False)
+    reference_videos: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)
@@ -687,15 +692,19 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
         if log is not None:
             log(f"{slot}: denoising {t_denoise:.2f} s (attention {attn_s:.2f} s), decoding {t_decode:.2f} s")
 
-    if "bf16" in videos:
-        ref = videos["bf16"]
-        for slot, frames in videos.items():
-            if slot == "bf16":
-                continue
-            p = vid.psnr(frames, ref)
-            per_method[slot].psnr = None if math.isinf(p) else p
-            per_method[slot].identical_to_bf16 = math.isinf(p)
-            per_method[slot].ssim = vid.ssim(frames, ref)
+    references: dict[str, MethodRecord] = {}
+    ref_videos: dict[str, np.ndarray] = {}
+    if "attnqat" in videos:
+        if models.qat_info and models.qat_info.get("identical_to_base") and "bf16" in videos:
+            ref_videos[WEIGHTS_REFERENCE] = videos["bf16"]  # the same weights: the same clip
+            references[WEIGHTS_REFERENCE] = MethodRecord(
+                label=f"{per_method['attnqat'].label} weights, BF16 attention (= the BF16 clip: "
+                      "the weights equal the base model's)",
+                transformer="attnqat", attention_method="bf16")
+        else:
+            ref_videos[WEIGHTS_REFERENCE], references[WEIGHTS_REFERENCE] = weights_reference_clip(
+                models, settings, lat0, pe, ne, emit=emit, progress=progress)
+    drift = four_bit_errors(videos, per_method, ref_videos)
 
     with_qat = "attnqat" in settings.methods and models.qat_info is not None
     record = GenerationRecord(
@@ -707,8 +716,96 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
         model_weights_note=models.info.weights_note,
         qat=QATRecord.from_dict(models.qat_info) if with_qat else None,
         qat_weights_note=models.qat_info.get("note") if with_qat else None,
-        methods=per_method)
-    return GenerationResult(record=record, videos=videos, initial_latents=lat0)
+        methods=per_method, references=references, weights_drift=drift,
+        comparison_note=COMPARISON_NOTE)
+    return GenerationResult(record=record, videos=videos, initial_latents=lat0,
+                            reference_videos=ref_videos)
+
+
+def _compare(frames: np.ndarray, ref: np.ndarray) -> tuple[float | None, float, bool]:
+    """(PSNR or None when identical, SSIM, identical) of ``frames`` against ``ref``."""
+    p = vid.psnr(frames, ref)
+    return (None if math.isinf(p) else p), vid.ssim(frames, ref), math.isinf(p)
+
+
+def four_bit_errors(videos: dict[str, np.ndarray], per_method: dict[str, MethodRecord],
+                    ref_videos: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    """Fill each 4-bit method's 4-bit error — PSNR/SSIM against BF16 attention with the same
+    weights: ``nvfp4``/``sage3`` against the ``bf16`` clip, ``attnqat`` against the Attn-QAT
+    weights' own BF16 clip (``ref_videos[WEIGHTS_REFERENCE]``) — and, for ``attnqat``, its
+    difference from the base BF16 clip. Returns the fine-tuning drift (the Attn-QAT weights' BF16
+    clip against the base BF16 clip), or None when either clip is missing."""
+    for slot, frames in videos.items():
+        if slot == "bf16":
+            continue
+        ref_name = WEIGHTS_REFERENCE if slot == "attnqat" else "bf16"
+        ref = ref_videos.get(ref_name) if slot == "attnqat" else videos.get("bf16")
+        if ref is not None:
+            rec = per_method[slot]
+            rec.psnr, rec.ssim, rec.identical_to_bf16 = _compare(frames, ref)
+            rec.reference = ref_name
+        if slot == "attnqat" and "bf16" in videos:
+            p, q, _ = _compare(frames, videos["bf16"])
+            per_method[slot].psnr_vs_base_bf16, per_method[slot].ssim_vs_base_bf16 = p, q
+    if WEIGHTS_REFERENCE in ref_videos and "bf16" in videos:
+        p, q, same = _compare(ref_videos[WEIGHTS_REFERENCE], videos["bf16"])
+        return {"psnr": p, "ssim": q, "identical": same,
+                "compares": "Attn-QAT weights with BF16 attention vs the base weights with BF16 "
+                            "attention (fine-tuning drift, no 4-bit error in it)"}
+    return None
+
+
+def weights_reference_clip(models: WanModels, settings: GenerationSettings, lat0: torch.Tensor,
+                           pe: torch.Tensor, ne: torch.Tensor | None, *,
+                           emit: Callable[..., None] | None = None,
+                           progress: bool = False) -> tuple[np.ndarray, MethodRecord]:
+    """The Attn-QAT weights with BF16 attention, from the same noise and embeddings: the reference
+    of Attn-QAT's 4-bit error (:data:`~attnqat.record.WEIGHTS_REFERENCE`). Reports its steps to
+    ``emit(phase, WEIGHTS_REFERENCE, step)`` as a method would."""
+    from tqdm.auto import tqdm
+
+    dev = models.device
+    transformer = models.qat_transformer
+    proc = set_method(transformer, "bf16", fp4_scope=settings.fp4_scope, backend=settings.backend)
+    proc.reset_stats()
+    bar = tqdm(total=settings.steps, desc="ref bf16", unit="step", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+
+    def stepped(i: int) -> None:
+        bar.update(1)
+        if emit is not None:
+            emit("denoising", WEIGHTS_REFERENCE, i + 1)
+
+    try:
+        if emit is not None:
+            emit("denoising", WEIGHTS_REFERENCE, 0)
+        with models.on_device(transformer):
+            _sync(dev)
+            t1 = time.perf_counter()
+            latents = denoise(transformer, models.pipe.scheduler, lat0, pe, ne, steps=settings.steps,
+                              guidance=settings.guidance, shift=settings.shift, device=dev,
+                              on_step=stepped)
+            _sync(dev)
+            t_denoise = time.perf_counter() - t1
+    finally:
+        bar.close()
+    stats = proc.stats()
+    if emit is not None:
+        emit("decoding", WEIGHTS_REFERENCE, settings.steps)
+    t2 = time.perf_counter()
+    frames = decode(models, latents)
+    _sync(dev)
+    t_decode = time.perf_counter() - t2
+    timings = Timings(denoising_s=t_denoise, decoding_s=t_decode, attention_s=stats["attention_s"],
+                      total_s=t_denoise + t_decode)
+    if emit is not None:
+        emit("done", WEIGHTS_REFERENCE, settings.steps, timings)
+    rec = MethodRecord(label=f"{method_label('attnqat', models.qat_info)} weights, BF16 attention",
+                       transformer="attnqat", attention_method="bf16", timings=timings,
+                       attention_calls=stats["calls"],
+                       transformer_calls=settings.transformer_calls_per_method,
+                       dispatch=stats["dispatch"], fallbacks=dispatch_fallbacks(stats["dispatch"]))
+    return frames, rec
 
 
 def dispatch_fallbacks(dispatch: Sequence[dict[str, Any]]) -> list[str]:
@@ -851,5 +948,5 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
 
 __all__ = ["GENERATION_METHODS", "GenerationError", "GenerationResult", "GenerationSettings",
            "InvalidInput", "Limits", "METHOD_LABELS", "MAX_SEED", "SLOT_ATTENTION", "StepEvent",
-           "decode", "denoise", "dispatch_fallbacks", "encode_prompts", "generate", "initial_latents", "method_label",
-           "parse_methods", "resolve_settings", "run_methods", "versions", "write_outputs"]
+           "decode", "denoise", "dispatch_fallbacks", "encode_prompts", "four_bit_errors", "generate", "initial_latents", "method_label",
+           "parse_methods", "resolve_settings", "run_methods", "versions", "weights_reference_clip", "write_outputs"]

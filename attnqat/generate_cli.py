@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"model: {rec.model_weights_note}")
     print(f"text encoding: {rec.text_encoding_s:.2f} s (once, shared by all methods)")
     print(f"{'method':>8} {'denoise s':>10} {'attention s':>12} {'decode s':>9} {'total s':>8} "
-          f"{'PSNR dB':>8} {'SSIM':>7}")
+          f"{'PSNR dB':>8} {'SSIM':>7}  (4-bit error: vs BF16 attention, same weights)")
     for m, d in rec.methods.items():
         t = d.timings
         if d.psnr is not None:
@@ -145,6 +145,22 @@ def run(args: argparse.Namespace) -> int:
         att = f"{t.attention_s:.2f}" if t.attention_s is not None else "-"
         print(f"{m:>8} {t.denoising_s:>10.2f} {att:>12} {t.decoding_s:>9.2f} {t.total_s:>8.2f} "
               f"{ps:>8} {ss:>7}")
+    for name, d in rec.references.items():
+        t = d.timings
+        print(f"{name}: the reference of attnqat's 4-bit error ({d.label}); denoise "
+              f"{t.denoising_s or 0:.2f} s, decode {t.decoding_s or 0:.2f} s")
+    if rec.weights_drift is not None:
+        w = rec.weights_drift
+        ps = "identical" if w["identical"] else f"{w['psnr']:.2f} dB"
+        print(f"fine-tuning drift (Attn-QAT weights vs base, both BF16 attention): PSNR {ps}, "
+              f"SSIM {w['ssim']:.4f}")
+    q = rec.methods.get("attnqat")
+    if q is not None and q.ssim_vs_base_bf16 is not None:
+        ps = "identical" if q.psnr_vs_base_bf16 is None else f"{q.psnr_vs_base_bf16:.2f} dB"
+        print(f"attnqat vs the base model's BF16 clip (4-bit error + drift): PSNR {ps}, "
+              f"SSIM {q.ssim_vs_base_bf16:.4f}")
+    if rec.comparison_note:
+        print(rec.comparison_note)
     if rec.qat is not None:
         print(f"attnqat: {rec.qat.label}")
     if rec.qat_weights_note:
