@@ -52,6 +52,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from . import error_map as em
 from . import video as vid
 from .record import (COMPARISON_NOTE, WEIGHTS_REFERENCE, GenerationRecord, MethodRecord, Precision,
                      QATRecord, Timings)
@@ -167,6 +168,8 @@ class GenerationResult:
         reference_videos: the reference clips that are not methods (:data:`WEIGHTS_REFERENCE`:
             the Attn-QAT weights with BF16 attention), frames as ``videos``; kept in memory for
             the comparisons, not written (the record holds their measurements).
+        error_map: method → its attention-error map (``run_methods(error_map=True)``; written as
+            ``error_map.json`` and ``error_map.png``), None when not collected.
     """
 
     record: GenerationRecord
@@ -174,6 +177,7 @@ class GenerationResult:
     out: Path | None = None
     initial_latents: torch.Tensor | None = field(default=None, repr=False)
     reference_videos: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    error_map: dict[str, dict[str, Any]] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -603,12 +607,16 @@ def decode(models: WanModels, latents: torch.Tensor) -> np.ndarray:
 
 def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bool = True,
                 log: Callable[[str], None] | None = None,
-                on_step: Callable[[StepEvent], None] | None = None) -> GenerationResult:
+                on_step: Callable[[StepEvent], None] | None = None,
+                error_map: bool = False) -> GenerationResult:
     """Run every method of ``settings`` (from :func:`resolve_settings` with these ``models``) on
     loaded ``models``; nothing is written to disk and nothing is validated again.
 
     ``on_step`` is called with a :class:`StepEvent` as the generation goes (after each denoising
     step, around decoding); raising in it stops the generation.
+
+    ``error_map``: also collect each 4-bit method's attention-error map (:mod:`attnqat.error_map`;
+    ``result.error_map``, its summary in the record).
 
     Returns a :class:`GenerationResult` whose ``record`` is complete except for file names.
     """
@@ -640,19 +648,26 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
 
     videos: dict[str, np.ndarray] = {}
     per_method: dict[str, MethodRecord] = {}
+    maps: dict[str, dict[str, Any]] = {}
     for slot in settings.methods:
         transformer = models.transformer_for(slot)
         attn_method = SLOT_ATTENTION[slot]
         proc = set_method(transformer, attn_method, fp4_scope=settings.fp4_scope,
                           backend=settings.backend)
         proc.reset_stats()
+        observer, previous_observer = None, proc.observer
+        if error_map and attn_method != "bf16":
+            observer = error_map_observer(transformer, settings)
+            proc.observer = observer
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         bar = tqdm(total=settings.steps, desc=f"{slot:>7}", unit="step", disable=not progress,
                    file=sys.stderr, dynamic_ncols=True)
 
-        def stepped(i: int, slot: str = slot) -> None:
+        def stepped(i: int, slot: str = slot, observer=observer) -> None:
             bar.update(1)
+            if observer is not None:
+                observer.next_step()
             emit("denoising", slot, i + 1)
 
         try:
@@ -667,6 +682,10 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
                 t_denoise = time.perf_counter() - t1
         finally:
             bar.close()
+            proc.observer = previous_observer
+        if observer is not None:
+            maps[slot] = {"attention_method": attn_method, "layers": observer.layers,
+                          "steps": observer.steps, "rel_error": observer.result()}
         stats = proc.stats()
         emit("decoding", slot, settings.steps)
         t2 = time.perf_counter()
@@ -717,9 +736,20 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
         qat=QATRecord.from_dict(models.qat_info) if with_qat else None,
         qat_weights_note=models.qat_info.get("note") if with_qat else None,
         methods=per_method, references=references, weights_drift=drift,
-        comparison_note=COMPARISON_NOTE)
+        comparison_note=COMPARISON_NOTE,
+        error_map={"summary": em.summarize(maps),
+                   "note": "collected during this generation: the 4-bit methods' denoising times "
+                           "include the BF16 reference attention it runs"} if maps else None)
     return GenerationResult(record=record, videos=videos, initial_latents=lat0,
-                            reference_videos=ref_videos)
+                            reference_videos=ref_videos, error_map=maps or None)
+
+
+def error_map_observer(transformer, settings: GenerationSettings) -> "em.ErrorMapObserver":
+    """The observer that collects a method's attention-error map (:mod:`attnqat.error_map`):
+    one row per transformer block, one column per step, self-attention (and cross-attention when
+    it is 4-bit too)."""
+    kinds = ("self", "cross") if settings.fp4_scope == "all" else ("self",)
+    return em.ErrorMapObserver(len(transformer.blocks), settings.steps, kinds)
 
 
 def _compare(frames: np.ndarray, ref: np.ndarray) -> tuple[float | None, float, bool]:
@@ -858,6 +888,10 @@ def write_outputs(result: GenerationResult, settings: GenerationSettings, out: s
         vid.side_by_side({slot: tmp / f"{slot}.mp4" for slot in result.videos},
                          tmp / "side_by_side.mp4", fps=settings.fps)
         record.side_by_side = "side_by_side.mp4"
+        if result.error_map:
+            files = em.write_error_map(result.error_map, tmp, labels={
+                m: record.methods[m].label or m for m in result.error_map})
+            record.error_map = {**(record.error_map or {}), **files}
         record.save(tmp / "record.json")
         if not out.exists():
             os.replace(tmp, out)
@@ -887,7 +921,8 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
              out: str | Path | None = None, fp4_scope: str = "self", backend: str = "auto",
              offload: bool = False, overwrite: bool = False, progress: bool = True,
              models: WanModels | None = None, log: Callable[[str], None] | None = None,
-             on_step: Callable[[StepEvent], None] | None = None) -> GenerationResult:
+             on_step: Callable[[StepEvent], None] | None = None,
+             error_map: bool = False) -> GenerationResult:
     """Generate one clip per method from one prompt — the Python form of ``attnqat generate``.
 
     Args:
@@ -917,6 +952,9 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
         log: called with one-line progress messages.
         on_step: called with a :class:`StepEvent` after each denoising step and around decoding
             (as diffusers' ``callback_on_step_end``); raising in it stops the generation.
+        error_map: also collect the attention-error map of each 4-bit method (per layer × step
+            relative error against BF16 attention on the same inputs; ``out`` gets
+            ``error_map.json`` and ``error_map.png``).
 
     Returns:
         :class:`GenerationResult`.
@@ -940,7 +978,8 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
         if log is not None:
             log(f"loaded {settings.model} in {time.perf_counter() - t0:.1f} s ({settings.dtype}: "
                 f"{settings.dtype_reason})")
-    result = run_methods(models, settings, progress=progress, log=log, on_step=on_step)
+    result = run_methods(models, settings, progress=progress, log=log, on_step=on_step,
+                         error_map=error_map)
     if settings.out is not None:
         write_outputs(result, settings, settings.out, overwrite=settings.overwrite)
     return result
@@ -948,5 +987,5 @@ def generate(prompt: str, *, negative_prompt: str | None = None,
 
 __all__ = ["GENERATION_METHODS", "GenerationError", "GenerationResult", "GenerationSettings",
            "InvalidInput", "Limits", "METHOD_LABELS", "MAX_SEED", "SLOT_ATTENTION", "StepEvent",
-           "decode", "denoise", "dispatch_fallbacks", "encode_prompts", "four_bit_errors", "generate", "initial_latents", "method_label",
+           "decode", "denoise", "dispatch_fallbacks", "encode_prompts", "error_map_observer", "four_bit_errors", "generate", "initial_latents", "method_label",
            "parse_methods", "resolve_settings", "run_methods", "versions", "weights_reference_clip", "write_outputs"]

@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for PyTorch (None: PyTorch's default, one per core; on a "
                              "CPU shared with other work, 1 is often much faster)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument("--error-map", action="store_true",
+                        help="also measure each 4-bit method's attention error against BF16 "
+                             "attention on the same inputs, per layer x denoising step, and write "
+                             "error_map.json and error_map.png (a heatmap); adds one BF16 "
+                             "attention per attention call to the 4-bit methods' time")
 
 
 def option(field: str | None) -> str:
@@ -120,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             width=args.width, frames=args.frames, fps=args.fps, model=args.model or DEFAULT_MODEL,
             qat_transformer=args.qat_transformer, device=args.device, dtype=args.dtype,
             out=args.out or _default_out(), fp4_scope=args.fp4_scope, backend=args.backend,
-            offload=args.offload, overwrite=args.overwrite, progress=not args.no_progress, log=log)
+            offload=args.offload, overwrite=args.overwrite, progress=not args.no_progress, log=log,
+            error_map=args.error_map)
     except (GenerationError, ModelLoadError, CheckpointError) as exc:
         for line in error_lines(exc):
             print(f"attnqat generate: error: {line}", file=sys.stderr)
@@ -161,6 +167,13 @@ def run(args: argparse.Namespace) -> int:
               f"SSIM {q.ssim_vs_base_bf16:.4f}")
     if rec.comparison_note:
         print(rec.comparison_note)
+    if rec.error_map:
+        print("attention-error map (self-attention, relative error vs BF16 attention on the same "
+              "inputs):")
+        for m, v in rec.error_map["summary"].items():
+            print(f"{m:>8} mean {v['mean']:.4f}  max {v['max']:.4f}  first step "
+                  f"{v['first_step_mean']:.4f}  last step {v['last_step_mean']:.4f}")
+        print(f"wrote {rec.error_map.get('json')} and {rec.error_map.get('png')}")
     if rec.qat is not None:
         print(f"attnqat: {rec.qat.label}")
     if rec.qat_weights_note:

@@ -139,8 +139,10 @@ class GenerationRecord:
     ``references`` holds the extra clips that are references, not methods (the Attn-QAT weights
     with BF16 attention, :data:`WEIGHTS_REFERENCE`); ``weights_drift`` compares that clip with the
     base model's BF16 clip (``{"psnr", "ssim", "identical", "compares"}``; None when either was
-    not run); ``comparison_note`` is :data:`COMPARISON_NOTE`. Records without them (older ones)
-    read with empty defaults.
+    not run); ``comparison_note`` is :data:`COMPARISON_NOTE`; ``error_map`` the summary of the
+    attention-error map and its files (``{"summary", "note", "json", "png"}``, when it was
+    collected: :mod:`attnqat.error_map`). Records without them (older ones) read with empty
+    defaults.
     """
 
     prompt: str
@@ -160,6 +162,7 @@ class GenerationRecord:
     references: dict[str, MethodRecord] = field(default_factory=dict)
     weights_drift: dict[str, Any] | None = None
     comparison_note: str | None = None
+    error_map: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``record.json``)."""
@@ -202,8 +205,9 @@ class GenerationRecord:
         refs = data.get("references") if isinstance(data.get("references"), dict) else {}
         values["references"] = {str(k): MethodRecord.from_dict(v) for k, v in refs.items()
                                 if isinstance(v, dict)}
-        if not isinstance(values.get("weights_drift"), (dict, type(None))):
-            values["weights_drift"] = None
+        for name in ("weights_drift", "error_map"):
+            if not isinstance(values.get(name), (dict, type(None))):
+                values[name] = None
         values.update(prompt=prompt, methods=parsed, seed=seed,
                       precision=Precision.from_dict(data.get("precision") or {}),
                       qat=QATRecord.from_dict(data["qat"]) if isinstance(data.get("qat"), dict) else None)
