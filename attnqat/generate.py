@@ -885,8 +885,8 @@ def write_outputs(result: GenerationResult, settings: GenerationSettings, out: s
         for slot, frames in result.videos.items():
             vid.write_mp4(frames, tmp / f"{slot}.mp4", settings.fps)
             record.methods[slot].video = f"{slot}.mp4"
-        vid.side_by_side({slot: tmp / f"{slot}.mp4" for slot in result.videos},
-                         tmp / "side_by_side.mp4", fps=settings.fps)
+        vid.side_by_side({(record.methods[slot].label or slot): tmp / f"{slot}.mp4"
+                          for slot in result.videos}, tmp / "side_by_side.mp4", fps=settings.fps)
         record.side_by_side = "side_by_side.mp4"
         if result.error_map:
             files = em.write_error_map(result.error_map, tmp, labels={
