@@ -79,10 +79,14 @@ def unknown_words(prompt: str, vocabulary: set[str]) -> list[str]:
     return list(dict.fromkeys(w for w in words if w.isalpha() and w not in vocabulary))
 
 
-def slug(text: str, n: int = 40) -> str:
-    """A file-name part of ``text``: lower-case words joined by hyphens, at most ``n`` chars."""
+def slug(text: str, n: int = 60) -> str:
+    """A file-name part of ``text``: lower-case words joined by hyphens, at most ``n`` characters,
+    cut between words."""
     out = re.sub(r"[^a-z0-9]+", "-", (text or "").lower()).strip("-")
-    return out[:n].rstrip("-") or "clip"
+    if len(out) > n:
+        cut = out[:n + 1]
+        out = cut[:cut.rfind("-")] if "-" in cut else out[:n]
+    return out or "clip"
 
 
 #: Inputs of a generation, in the order of the API endpoint's parameters.

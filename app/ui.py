@@ -157,36 +157,23 @@ def bounded_queue(demo: gr.Blocks) -> None:
     queue.push = push_one_at_a_time
 
 
-class WholeNumber(gr.Number):
+def whole_number(**kwargs) -> gr.Number:
     """A number box that the API page types as an integer, while the value still reaches the one
-    validation as it was sent (``precision=0`` would round 2.5 steps to 2 before it is checked)."""
-
-    is_template = True  # the page draws it as a gr.Number
-
-    def api_info(self) -> dict[str, str]:  # type: ignore[override]
-        return {"type": "integer"}
-
-    def example_payload(self) -> Any:
-        return int(self.value) if isinstance(self.value, (int, float)) else 0
-
-    def example_value(self) -> Any:
-        return self.example_payload()
+    validation as it was sent (``precision=0`` would round 2.5 steps to 2 before it is checked).
+    (The methods are set on the instance: a subclass of a gradio component makes gradio write a
+    ``.pyi`` file beside this module.)"""
+    box = gr.Number(precision=None, **kwargs)
+    box.api_info = lambda: {"type": "integer"}
+    example = int(box.value) if isinstance(box.value, (int, float)) else 0
+    box.example_payload = box.example_value = lambda: example
+    return box
 
 
-class ExampleText(gr.Textbox):
+def example_text(example: str, **kwargs) -> gr.Textbox:
     """A text box whose example on the API page is ``example`` (not gradio's "Hello!!")."""
-
-    is_template = True
-
-    def __init__(self, *args, example: str = "", **kwargs):
-        self._example = example
-        super().__init__(*args, **kwargs)
-
-    def example_payload(self) -> Any:
-        return self._example
-
-    def example_value(self) -> Any:
-        return self._example
+    box = gr.Textbox(**kwargs)
+    box.example_payload = box.example_value = lambda: example
+    return box
 
 
 # ----------------------------------------------------------------------------------------------
@@ -370,24 +357,24 @@ def build_api(service: AppService) -> dict[str, Any]:
     example = (example_prompts(service, 1) or ["a red circle moves left on a blue background"])[0]
     with gr.Column(visible=False):
         c = {
-            "a_prompt": ExampleText(label="prompt", example=example),
+            "a_prompt": example_text(example, label="prompt"),
             "a_methods": gr.Dropdown(choices=list(GENERATION_METHODS),
                                      value=service.available_methods(), multiselect=True,
                                      allow_custom_value=True, label="methods"),
-            "a_seed": WholeNumber(value=-1, precision=None, label="seed"),
-            "a_steps": WholeNumber(value=int(d["steps"]), precision=None, label="steps"),
+            "a_seed": whole_number(value=-1, label="seed"),
+            "a_steps": whole_number(value=int(d["steps"]), label="steps"),
             "a_guidance": gr.Number(value=float(d["guidance"]), precision=None, label="guidance"),
             "a_shift": gr.Number(value=float(d["shift"]), precision=None, label="shift"),
-            "a_resolution": ExampleText(value=service.resolution_presets()[0][1],
-                                        label="resolution",
-                                        example=service.resolution_presets()[0][1]),
-            "a_frames": WholeNumber(value=int(d["frames"]), precision=None, label="frames"),
-            "a_negative": ExampleText(value=d.get("negative_prompt", ""), label="negative_prompt",
-                                      example=""),
+            "a_resolution": example_text(service.resolution_presets()[0][1],
+                                         value=service.resolution_presets()[0][1],
+                                         label="resolution"),
+            "a_frames": whole_number(value=int(d["frames"]), label="frames"),
+            "a_negative": example_text("", value=d.get("negative_prompt", ""),
+                                       label="negative_prompt"),
             "a_scope": gr.Dropdown(choices=["self", "all"], value="self", allow_custom_value=True,
                                    label="fp4_scope"),
             "a_error_map": gr.Checkbox(value=False, label="error_map"),
-            "a_seeds": ExampleText(value="0-3", label="seeds", example="0-3"),
+            "a_seeds": example_text("0-3", value="0-3", label="seeds"),
             "a_record": gr.JSON(label="record"),
             "a_clips": gr.File(file_count="multiple", label="clips"),
             "a_sbs": gr.File(label="side_by_side"),
@@ -778,5 +765,5 @@ def launch(demo: gr.Blocks, service: AppService, *, host: str = "127.0.0.1", por
                        auth_message="attnqat comparison app: sign in." if auth else None)
 
 
-__all__ = ["CONCURRENCY_ID", "ExampleText", "WholeNumber", "build_app", "built_prompt",
-           "example_prompts", "launch", "theme", "wire"]
+__all__ = ["CONCURRENCY_ID", "build_app", "built_prompt",
+           "example_prompts", "example_text", "launch", "theme", "whole_number", "wire"]
