@@ -419,6 +419,22 @@ def humanize_note(note: str) -> str:
                     else m.group(1), text)
 
 
+def note_parts(text: str) -> list[str]:
+    """``"Model: what: details"`` → [head, what, details], split at the first two ``": "`` that
+    are not inside parentheses; fewer parts when there are fewer."""
+    out, depth, start, i = [], 0, 0, 0
+    while i < len(text) and len(out) < 2:
+        ch = text[i]
+        depth += ch == "("
+        depth -= ch == ")" and depth > 0
+        if depth == 0 and text.startswith(": ", i):
+            out.append(text[start:i])
+            start = i + 2
+            i += 1
+        i += 1
+    return out + [text[start:]]
+
+
 def render_notes(notes: Sequence[str]) -> str:
     """The notes on the weights, for people (:func:`humanize_note`), the first sentence of each
     shown and the rest in a fold."""
@@ -427,14 +443,13 @@ def render_notes(notes: Sequence[str]) -> str:
         return ""
     items = []
     for n in notes:
-        text = humanize_note(n)
-        head, sep, rest = text.partition(": ")
-        if sep and len(head) < 40 and ": " in rest:  # "Model: what it is: details"
-            head2, sep2, rest2 = rest.partition(": ")
-            items.append(f"<li>{_esc(head)}: <b>{_esc(head2)}</b>"
-                         f"<details><summary>details</summary>{_esc(rest2)}</details></li>")
+        parts = note_parts(humanize_note(n))
+        if len(parts) == 3:  # "Model: what they are: the counts and dates"
+            head, what, rest = parts
+            items.append(f"<li>{_esc(head)}: <b>{_esc(what)}</b>"
+                         f"<details><summary>details</summary>{_esc(rest)}</details></li>")
         else:
-            items.append(f"<li>{_esc(text)}</li>")
+            items.append(f"<li>{_esc(': '.join(parts))}</li>")
     return (f'<div class="aq-msg aq-note"><b>About these weights</b><ul>{"".join(items)}</ul>'
             "</div>")
 
