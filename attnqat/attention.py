@@ -267,16 +267,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = "
         if q.device.type == "cuda" and backend == "auto":
             _warn_once(f"ablation:{ablation}", f"attnqat.attention: the Attn-QAT ablation {ablation!r} "
                        "runs on the PyTorch reference (no Triton kernel implements it)")
-        return _torch_attention(q, k, v, method, scale, ablation)
+        return _torch_attention(q, k, v, method, scale, ablation, backend=backend)
     if backend == "torch" or (backend == "auto" and (q.device.type != "cuda" or method == "bf16")):
-        return _torch_attention(q, k, v, method, scale)
+        # auto on a CPU: the kernels need CUDA, so the reference is what auto means there
+        return _torch_attention(q, k, v, method, scale, backend=backend)
     kernels, why = _kernels()
     if kernels is not None:
         why = kernels.triton_unsupported(q, k, v, method)
     if why is None:
-        return kernels.triton_attention(q, k, v, method=method, softmax_scale=scale)
+        if _LOG.get() is None:
+            return kernels.triton_attention(q, k, v, method=method, softmax_scale=scale)
+        from attnqat.kernels import receipt  # noqa: PLC0415
+
+        with receipt.collect() as ran:
+            out = kernels.triton_attention(q, k, v, method=method, softmax_scale=scale)
+        # the kernels note each Gluon/Triton choice they make; the paths that have no Gluon
+        # version make none, and are Triton kernels
+        _record(q, method, "+".join(dict.fromkeys(ran)) or "triton", backend)
+        return out
     if backend == "triton":
         raise RuntimeError(f"backend='triton' cannot run method {method!r} here: {why}")
     _warn_once(f"{method}:{why}", f"attnqat.attention: Triton kernel not used for method {method!r} "
                f"({why}); running the PyTorch reference of the same method instead")
-    return _torch_attention(q, k, v, method, scale)
+    return _torch_attention(q, k, v, method, scale, backend=backend, fallback=why)
