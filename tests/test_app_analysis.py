@@ -115,3 +115,19 @@ def test_seed_lists_and_sweep_statistics():
     table = format_table(res)
     assert "25.00 ± 7.07 (1 identical)" in table and "procedural score" in table
     assert "reference" in table.splitlines()[1]
+
+
+def test_the_kernels_note_the_kernel_they_choose():
+    """The receipt's Gluon/Triton comes from the kernels' own decision, noted where it is made."""
+    pytest.importorskip("triton")
+    from attnqat.kernels import receipt
+    from attnqat.kernels.gluon_fwd import choose_schedule
+    from attnqat.kernels.gluon_fwd_qat import choose_qat_schedule
+
+    q = torch.randn(1, 16, 1, 64, dtype=torch.bfloat16)
+    with receipt.collect() as ran:
+        a = choose_schedule(q, q, q, "triton", None)
+        b = choose_qat_schedule(q, q, q, None, None)  # head_dim 64: not an auto Gluon size
+    assert ran == [a, b] == ["triton", "triton"]
+    choose_schedule(q, q, q, "triton", None)  # outside collect: nothing kept, nothing raised
+    assert ran == ["triton", "triton"]
