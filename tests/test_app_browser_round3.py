@@ -240,3 +240,29 @@ def test_prompt_builder_warning_history_and_the_phone_layout(app, browser):
     page.wait_for_function("t => document.querySelector('#aq-prompt textarea').value === t",
                            arg=PROMPT)
     page.close()
+
+
+def test_a_seed_sweep_from_the_page(app, browser):
+    """Feature 9 in the page: the table (mean ± std per method, the procedural score) and the
+    plot."""
+    page = _open(browser, app["url"])
+    page.fill("#aq-prompt textarea", PROMPT)
+    for box in page.locator("#aq-methods label").all():
+        name = box.inner_text().split(" — ")[0].strip()
+        if (name in ("BF16", "NVFP4")) != box.locator("input").is_checked():
+            box.locator("input").click()
+    page.click("#aq-sweep-box .label-wrap")
+    for elem, value in (("#aq-sweep-n", "2"), ("#aq-sweep-first", "5")):
+        box = f"{elem} input, {elem} textarea"
+        page.fill(box, value)
+        page.press(box, "Tab")
+    page.click("#aq-sweep-run")
+    page.wait_for_selector(".aq-sweep-table", timeout=240_000)
+    text = page.inner_text("#aq-sweep-out")
+    assert "2 seeds (5, 6)" in text and "procedural" in text
+    rows = page.eval_on_selector_all(".aq-sweep-table tbody tr",
+                                     "rs => rs.map(r => Array.from(r.cells).map(c => c.innerText))")
+    assert [r[0] for r in rows] == ["BF16", "NVFP4"]
+    assert rows[0][1] == "reference" and "±" in rows[1][2] and "±" in rows[0][3]
+    page.wait_for_selector("#aq-sweep-plot img")
+    page.close()
