@@ -119,9 +119,18 @@ def _sdpa_backend(q, k, v, scale: float) -> str:
         return f"unknown ({type(exc).__name__})"
 
 
+def _active_log() -> DispatchLog | None:
+    """The log of the enclosing :func:`dispatch_log`, or None. None while ``torch.compile`` traces:
+    a receipt is per call as it runs, which a compiled graph does not replay (and dynamo cannot
+    trace a ``ContextVar`` read)."""
+    if torch.compiler.is_compiling():
+        return None
+    return _LOG.get()
+
+
 def _record(q, method: str, implementation: str, backend: str, detail: str | None = None,
             fallback: str | None = None) -> None:
-    log = _LOG.get()
+    log = _active_log()
     if log is not None:
         log.add(Dispatch(method=method, implementation=implementation, device=str(q.device),
                          dtype=str(q.dtype).removeprefix("torch."), backend=backend, detail=detail,
@@ -176,7 +185,7 @@ def _reference(m: registry.AttentionMethod, q, k, v, scale: float, backend: str,
                fallback: str | None = None) -> torch.Tensor:
     """``m``'s PyTorch reference, recorded as what ran: ``sdpa`` (with the SDPA backend torch's
     dispatcher picks) when the reference is PyTorch's SDPA, ``reference`` otherwise."""
-    if _LOG.get() is not None:
+    if _active_log() is not None:
         if m.reference is ops.sdpa_attention:
             qb, kb, vb = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             _record(q, m.name, "sdpa", backend, _sdpa_backend(qb, kb, vb, scale), fallback)
@@ -253,7 +262,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = "
         return _reference(m, q, k, v, scale, backend)
     run, why = _kernel(m, q, k, v)
     if why is None:
-        if _LOG.get() is None:
+        if _active_log() is None:
             return run(q, k, v, scale)
         with receipt.collect() as ran:
             out = run(q, k, v, scale)
