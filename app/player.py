@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import random
 import re
 import secrets
@@ -25,8 +26,9 @@ from typing import Any, Sequence
 from urllib.parse import quote
 
 from attnqat import methods as registry
+from attnqat.sweep import TABLE_HEADER, SweepResult, table_rows
 
-from .service import describe_errors
+from .service import FIELD_NAMES, describe_errors
 from .service import method_note as _method_note
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -398,8 +400,6 @@ def render_error(message: str, title: str = "Generation failed") -> str:
 
 def render_input_errors(errors: dict[str, str]) -> str:
     """Invalid inputs, one line per field (``errors`` as in :class:`~attnqat.generate.InvalidInput`)."""
-    from .service import FIELD_NAMES
-
     items = "".join(f"<li><b>{_esc(FIELD_NAMES.get(k, k))}</b>: {_esc(v)}</li>"
                     for k, v in errors.items())
     return (f'<div class="aq-msg aq-error" role="alert"><b>Check the inputs.</b><ul>{items}</ul>'
@@ -499,7 +499,6 @@ def render_summary(record: dict[str, Any], seconds: float | None = None,
 
 def _heat(x: float | None, lo: float, hi: float) -> str:
     """A colour for ``x`` on a log scale from ``lo`` (dark) to ``hi`` (bright)."""
-    import math
 
     if x is None or x <= 0:
         return "#ddd"
@@ -560,8 +559,6 @@ def render_sweep(result: dict[str, Any] | None) -> str:
     """A seed sweep's summary (:meth:`attnqat.sweep.SweepResult.to_dict`) as a table."""
     if not result:
         return ""
-    from attnqat.sweep import TABLE_HEADER, SweepResult, table_rows
-
     res = SweepResult(prompt=result["prompt"], seeds=result["seeds"], methods=result["methods"],
                       rows=result["rows"], summary=result["summary"],
                       score_name=result.get("score_name"))

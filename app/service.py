@@ -41,10 +41,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from attnqat import methods as registry
+from attnqat import synthetic as syn
 from attnqat.generate import (GenerationError, GenerationSettings, InvalidInput, Limits, StepEvent,
                               method_label, resolve_settings, run_methods, write_outputs)
 from attnqat.record import WEIGHTS_REFERENCE, GenerationRecord, Timings
 from attnqat.request import GenerationRequest
+from attnqat.sweep import seed_sweep
 from attnqat.wan import DEFAULT_MODEL, WanModels, default_shift, dtype_name, load_models
 
 #: One line under each built-in method's label (the registry's ``description``; Attn-QAT's depends on
@@ -483,8 +485,6 @@ class AppService:
         but it never saw them in training); None for a real Wan model (UMT5 reads any text)."""
         if self.info.kind != "tiny-wan":
             return None
-        from attnqat import synthetic as syn
-
         words = {"a", "an", "on", "and", "background", "grey"}
         for group in (syn.COLOURS, syn.BACKGROUNDS, syn.SHAPES):
             words.update(group)
@@ -511,11 +511,9 @@ class AppService:
               cancel: threading.Event | None = None):
         """A seed sweep of ``settings`` (:func:`attnqat.sweep.seed_sweep`) under the generation
         lock, with the procedural score for the tiny model."""
-        from attnqat.sweep import seed_sweep
-
         score, name = None, None
         if self.info.kind == "tiny-wan":
-            from attnqat.eval.procedural import score_clip
+            from attnqat.eval.procedural import score_clip  # noqa: PLC0415  (scipy: only for a sweep of the tiny model)
 
             score = (lambda prompt, frames: score_clip(prompt, frames)["aggregate"])
             name = "procedural score (tiny model: 0.75·prompt + 0.25·quality)"

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from . import methods as registry
 from . import ops
@@ -112,8 +113,6 @@ def _sdpa_backend(q, k, v, scale: float) -> str:
     """The SDPA backend torch's dispatcher picks for these (B, H, S, D) inputs (the function SDPA
     itself calls to choose)."""
     try:
-        from torch.nn.attention import SDPBackend
-
         return SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, False, scale=scale)).name
     except Exception as exc:  # noqa: BLE001 - a private torch function; say that it is unknown
         return f"unknown ({type(exc).__name__})"

@@ -228,6 +228,9 @@ def test_prompt_builder_warning_history_and_the_phone_layout(app, browser):
         assert box and box["x"] >= 0 and box["x"] + box["width"] <= 390, (sel, box)
     _generate(page, "a blue square moves up on a white background")
     page.click("#aq-history-box .label-wrap")
+    # the history is rendered after the result: wait for it (the page may be slower than the
+    # accordion under load) — the assertion below then checks what it lists
+    page.wait_for_function("() => document.querySelectorAll('#aq-history li').length >= 2")
     items = page.eval_on_selector_all("#aq-history li", "els => els.map(e => e.textContent)")
     assert len(items) == 2 and "a blue square" in items[0] and "a red circle" in items[1]
     page.click("#aq-history-pick input")
@@ -256,6 +259,12 @@ def test_a_seed_sweep_from_the_page(app, browser):
         box = f"{elem} input, {elem} textarea"
         page.fill(box, value)
         page.press(box, "Tab")
+    # the accordion's inputs may still be mounting as they are filled: the typed values must
+    # stand (and reach the page's state) before Run
+    for elem, value in (("#aq-sweep-n", "2"), ("#aq-sweep-first", "5")):
+        page.wait_for_function("([e, v]) => document.querySelector(`${e} input, ${e} textarea`).value === v",
+                               arg=[elem, value])
+    page.wait_for_timeout(500)
     page.click("#aq-sweep-run")
     page.wait_for_selector(".aq-sweep-table", timeout=240_000)
     text = page.inner_text("#aq-sweep-out")
