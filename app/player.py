@@ -14,7 +14,11 @@ labels are revealed.
 from __future__ import annotations
 
 import html
+import json
+import math
 import random
+import re
+import secrets
 import string
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,8 +26,9 @@ from typing import Any, Sequence
 from urllib.parse import quote
 
 from attnqat import methods as registry
+from attnqat.sweep import TABLE_HEADER, SweepResult, table_rows
 
-from .service import describe_errors
+from .service import FIELD_NAMES, describe_errors
 from .service import method_note as _method_note
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -54,17 +59,21 @@ class ResultView:
     order: tuple[str, ...] = ()
     blind: bool = False
     revealed: bool = False
+    downloads: dict[str, str] | None = None  # method → the clip named by method, prompt, seed
+    error_map: str | None = None   # error_map.json of the run, when collected
+    render: str = ""               # changes on every state change: the script sets up again
 
     def with_blind(self, blind: bool, rng: random.Random | None = None) -> "ResultView":
         """Blind on: a new shuffled order, labels hidden. Blind off: the run's order, labelled."""
         if blind:
             order = list(self.methods)
             (rng or random.SystemRandom()).shuffle(order)
-            return replace(self, order=tuple(order), blind=True, revealed=False)
-        return replace(self, order=tuple(self.methods), blind=False, revealed=False)
+            return replace(self, order=tuple(order), blind=True, revealed=False, render=_nonce())
+        return replace(self, order=tuple(self.methods), blind=False, revealed=False,
+                       render=_nonce())
 
     def reveal(self) -> "ResultView":
-        return replace(self, revealed=True)
+        return replace(self, revealed=True, render=_nonce())
 
     @property
     def hidden(self) -> bool:
@@ -73,6 +82,10 @@ class ResultView:
 
     def files_exist(self) -> bool:
         return all(Path(p).is_file() for p in self.media.values())
+
+
+def _nonce() -> str:
+    return secrets.token_hex(6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,8 +123,11 @@ def method_note(record: dict[str, Any], method: str) -> str:
     return _method_note(method, record.get("qat"))
 
 
-def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tuple[str, str, str]]:
-    """(name, value, tooltip) rows of one method's card."""
+def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool,
+                drift: dict[str, Any] | None = None) -> list[tuple[str, str, str]]:
+    """(name, value, tooltip) rows of one method's card. PSNR/SSIM are the 4-bit error (against
+    BF16 attention with the same weights); Attn-QAT's card adds the fine-tuning ``drift`` (the
+    record's ``weights_drift``)."""
     t = entry.get("timings", {})
     share = t.get("attention_share_of_denoising")
     att = fmt_seconds(t.get("attention_s"))
@@ -121,25 +137,85 @@ def metric_rows(method: str, entry: dict[str, Any], bf16_run: bool) -> list[tupl
     mem_tip = ("peak GPU memory allocated during this method" if kind == "cuda_max_memory_allocated"
                else "peak resident memory of the app process so far (on the CPU it cannot be reset "
                     "between methods)")
-    if method == "bf16":
+    has_ref = entry.get("reference") is not None
+    if method == registry.REFERENCE:
         psnr = ssim = "reference"
-    elif not bf16_run:
+    elif not has_ref and not bf16_run:
         psnr = ssim = "— (BF16 not run)"
     elif entry.get("identical_to_bf16"):
         psnr, ssim = "identical", f"{entry['ssim']:.4f}" if entry.get("ssim") is not None else "1"
     else:
         psnr = f"{entry['psnr']:.2f} dB" if entry.get("psnr") is not None else "—"
         ssim = f"{entry['ssim']:.4f}" if entry.get("ssim") is not None else "—"
-    return [
+    same = ("against the Attn-QAT weights' own BF16 clip (BF16 attention): the 4-bit error, "
+            "fine-tuning drift excluded" if _finetuned(method) else
+            "against the BF16 clip (the same weights with BF16 attention): the 4-bit error")
+    rows = [
         ("Total", fmt_seconds(t.get("total_s")), "denoising plus decoding of this clip (the text "
                                                  "encoding is shared and shown in the summary)"),
         ("Denoising", fmt_seconds(t.get("denoising_s")), "time of the denoising loop"),
         ("Decoding", fmt_seconds(t.get("decoding_s")), "time of the VAE decode"),
         ("Attention", att, "time inside attention calls, and its share of denoising"),
         ("Peak memory", fmt_bytes(entry.get("peak_memory_bytes")), mem_tip),
-        ("PSNR vs BF16", psnr, "peak signal-to-noise ratio against the BF16 clip (higher is closer)"),
-        ("SSIM vs BF16", ssim, "structural similarity against the BF16 clip (1 is identical)"),
+        ("PSNR vs BF16", psnr, f"peak signal-to-noise ratio {same} (higher is closer)"),
+        ("SSIM vs BF16", ssim, f"structural similarity {same} (1 is identical)"),
     ]
+    if _finetuned(method) and drift is not None:
+        d = "identical" if drift.get("identical") else (
+            f"{drift['psnr']:.2f} dB" if drift.get("psnr") is not None else "—")
+        if drift.get("ssim") is not None:
+            d += f" · SSIM {drift['ssim']:.4f}"
+        rows.append(("Drift from base", d, "fine-tuning drift, no 4-bit error in it: the Attn-QAT "
+                                           "weights with BF16 attention against the base model's "
+                                           "BF16 clip"))
+    return rows
+
+
+def _finetuned(method: str) -> bool:
+    """A slot on fine-tuned weights (``attnqat``); False for a name not registered (old records)."""
+    return method in registry.names() and registry.uses_finetuned(method)
+
+
+_IMPL_NAMES = {"sdpa": "PyTorch SDPA", "reference": "the PyTorch reference", "triton": "Triton kernel",
+               "gluon": "Gluon kernel", "gluon+triton": "Gluon and Triton kernels",
+               "triton+gluon": "Triton and Gluon kernels"}
+
+
+def receipt_lines(entry: dict[str, Any]) -> list[str]:
+    """What the method's attention calls actually ran, one line per kind of call (from the
+    record's ``dispatch``, logged by the processor as each call ran)."""
+    out = []
+    for d in entry.get("dispatch") or []:
+        impl = _IMPL_NAMES.get(d.get("implementation"), str(d.get("implementation")))
+        if d.get("implementation") == "sdpa" and d.get("detail"):
+            impl += f" ({d['detail'].lower()} backend)"
+        name = registry.label(d.get("method"))
+        out.append(f"{d.get('kind')}-attention: {name} on {impl} · {d.get('dtype')} on "
+                   f"{d.get('device')} · {d.get('calls')} calls")
+    return out
+
+
+def render_receipt(entry: dict[str, Any]) -> str:
+    """The panel's receipt: which kernel ran, in which precision, on which device, and a loud
+    warning for anything that fell back."""
+    lines = receipt_lines(entry)
+    if not lines:
+        return '<div class="aq-receipt aq-sub">Receipt: not recorded in this result.</div>'
+    items = "".join(f"<li>{_esc(x)}</li>" for x in lines)
+    warn = ""
+    fallbacks = entry.get("fallbacks") or []
+    if fallbacks:
+        warn = ('<div class="aq-fallback" role="alert"><b>⚠ Fell back:</b> '
+                + " ".join(_esc(f) for f in fallbacks) + "</div>")
+    cpu_4bit = [d for d in entry.get("dispatch") or []
+                if d.get("implementation") == "reference" and not d.get("fallback")
+                and str(d.get("device", "")).startswith("cpu")]
+    note = ('<div class="aq-sub">4-bit attention on the CPU is the PyTorch reference: the same '
+            'numbers as the kernels, not their speed (the kernels need a CUDA GPU).</div>'
+            if cpu_4bit else "")
+    return (f'<details class="aq-receipt" {"open" if fallbacks else ""}>'
+            f'<summary>Receipt: what ran{" — FELL BACK" if fallbacks else ""}</summary>'
+            f'{warn}<ul>{items}</ul>{note}</details>')
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,14 +228,17 @@ _ZOOMS = (1, 2, 4, 8)
 def _compare_html(names: Sequence[str], srcs: Sequence[str], aspect: str) -> str:
     """The enlarged comparison of two clips: one drawn over the other, a split slider between them
     and a zoom (``player.js`` keeps both in step with the row of players)."""
-    opts = "".join(f'<option value="{i}">{_esc(n)}</option>' for i, n in enumerate(names))
     right = 1 if len(names) > 1 else 0
+
+    def opts(chosen: int) -> str:  # player.js sets each menu to the clip drawn (data-right)
+        return "".join(f'<option value="{i}">{_esc(n)}</option>' for i, n in enumerate(names))
+
     zooms = "".join(f'<option value="{z}">{z}×</option>' for z in _ZOOMS)
     return (
         '<div class="aq-compare">'
         '<div class="aq-compare-controls">'
-        f'<label>Left <select class="aq-cmp-left">{opts}</select></label>'
-        f'<label>Right <select class="aq-cmp-right">{opts}</select></label>'
+        f'<label>Left <select class="aq-cmp-left">{opts(0)}</select></label>'
+        f'<label>Right <select class="aq-cmp-right">{opts(right)}</select></label>'
         '<label>Split <input type="range" class="aq-split" min="0" max="100" value="50"></label>'
         f'<label>Zoom <select class="aq-zoom">{zooms}</select></label>'
         '<span class="aq-sub">Drag the split to wipe between the two clips; with zoom, the view '
@@ -188,7 +267,7 @@ def render_player(view: ResultView | None) -> str:
     fps = float(settings.get("fps") or 16)
     nframes = int(settings.get("frames") or 1)
     aspect = f"{int(settings.get('width') or 1)} / {int(settings.get('height') or 1)}"
-    bf16_run = "bf16" in rec_methods
+    bf16_run = registry.REFERENCE in rec_methods
     figures = []
     names: list[str] = []  # as the comparison view offers them
     srcs: list[str] = []
@@ -206,18 +285,23 @@ def render_player(view: ResultView | None) -> str:
         label = method_label(view.record, method)
         names.append(label)
         rows = "".join(f'<dt title="{_esc(tip)}">{_esc(k)}</dt><dd>{_esc(v)}</dd>'
-                       for k, v, tip in metric_rows(method, rec_methods.get(method, {}), bf16_run))
-        name = f"{method}.mp4"
+                       for k, v, tip in metric_rows(method, rec_methods.get(method, {}), bf16_run,
+                                                    view.record.get("weights_drift")))
+        dl = (view.downloads or {}).get(method)
+        name = Path(dl).name if dl else f"{method}.mp4"
+        dl_src = file_url(dl) if dl else src
         figures.append(
             f'<figure class="aq-clip" data-method="{_esc(method)}">'
             f'<figcaption class="aq-label"><b>{_esc(label)}</b>'
             f'<span>{_esc(method_note(view.record, method))}</span></figcaption>{video}'
-            f'<dl class="aq-card">{rows}</dl>'
-            f'<a class="aq-dl" href="{_esc(src)}" download="{_esc(name)}">Download {_esc(name)}</a>'
+            f'<dl class="aq-card">{rows}</dl>{render_receipt(rec_methods.get(method, {}))}'
+            f'<a class="aq-dl" href="{_esc(dl_src)}" download="{_esc(name)}">Download {_esc(name)}</a>'
             f'</figure>')
     note = ("Blind mode: the clips are shuffled and unlabelled. Press “Reveal labels” to see which "
             "is which." if hidden else
             ("Revealed: the clips stay in their blind order." if view.blind else ""))
+    which = ("" if hidden or not view.record.get("comparison_note") else
+             f'<p class="aq-sub aq-which">{_esc(view.record["comparison_note"])}</p>')
     cols = len(order)
     controls = (
         '<div class="aq-controls"><button type="button" class="aq-toggle">Pause</button>'
@@ -229,8 +313,9 @@ def render_player(view: ResultView | None) -> str:
         f'<span class="aq-frame">frame 1/{nframes}</span>'
         f'<span class="aq-player-msg">{_esc(note)}</span></div>')
     return (f'<div class="aq-player" data-count="{cols}" data-blind="{"yes" if hidden else "no"}" '
+            f'data-render="{_esc(view.render or view.run_id)}" '
             f'data-fps="{fps:g}" data-frames="{nframes}" style="--aq-cols: {cols}">'
-            f'{controls}<div class="aq-row">{"".join(figures)}</div>'
+            f'{controls}<div class="aq-row">{"".join(figures)}</div>{which}'
             f'{_compare_html(names, srcs, aspect) if cols > 1 else ""}</div>')
 
 
@@ -242,10 +327,13 @@ _STATE_TEXT = {"waiting": "waiting", "denoising": "step {step}/{steps}", "decodi
                "done": "done"}
 
 
-def _eta(seconds: float | None) -> str:
+def _eta(seconds: float | None, rough: bool = False) -> str:
     if seconds is None:
         return "estimating time left…"
-    return f"about {seconds:.0f} s left" if seconds >= 1 else "almost done"
+    if seconds < 1:
+        return "almost done"
+    return f"about {seconds:.0f} s left" + (
+        " (a guess: an attention method still to run has not been timed yet)" if rough else "")
 
 
 def render_progress(snapshot: dict[str, Any], headline: str) -> str:
@@ -269,7 +357,8 @@ def render_progress(snapshot: dict[str, Any], headline: str) -> str:
             f'<span class="aq-pstate">{_esc(text)}</span></div>')
     return (f'<div class="aq-progress" data-phase="{_esc(snapshot["phase"])}">'
             f'<div class="aq-progress-head">{_esc(headline)} · {snapshot["elapsed_s"]:.1f} s · '
-            f'<span class="aq-eta">{_esc(_eta(snapshot.get("eta_s")))}</span></div>'
+            f'<span class="aq-eta">{_esc(_eta(snapshot.get("eta_s"), snapshot.get("eta_rough", False)))}'
+            '</span></div>'
             f'{"".join(rows)}</div>')
 
 
@@ -311,8 +400,6 @@ def render_error(message: str, title: str = "Generation failed") -> str:
 
 def render_input_errors(errors: dict[str, str]) -> str:
     """Invalid inputs, one line per field (``errors`` as in :class:`~attnqat.generate.InvalidInput`)."""
-    from .service import FIELD_NAMES
-
     items = "".join(f"<li><b>{_esc(FIELD_NAMES.get(k, k))}</b>: {_esc(v)}</li>"
                     for k, v in errors.items())
     return (f'<div class="aq-msg aq-error" role="alert"><b>Check the inputs.</b><ul>{items}</ul>'
@@ -320,12 +407,56 @@ def render_input_errors(errors: dict[str, str]) -> str:
             'again.</span></div>')
 
 
+_ISO = re.compile(r"(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2})(?::\d{2}(?:\.\d+)?)?(?:\+00:00|Z)?")
+_BIG = re.compile(r"(?<![\d.,:-])(\d{4,})(?![\d.,:-])")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
+def humanize_note(note: str) -> str:
+    """A weights note for people: timestamps as dates (``2026-11-23T02:31:58+00:00`` →
+    ``23 Nov 2026``), counts with thousands separators (``7192832`` → ``7,192,832``)."""
+    def date(m: re.Match) -> str:
+        y, mo, d = int(m.group(1)), int(m.group(2)), int(m.group(3))
+        return f"{d} {_MONTHS[mo - 1]} {y}" if 1 <= mo <= 12 else m.group(0)
+
+    text = _ISO.sub(date, note)
+    return _BIG.sub(lambda m: f"{int(m.group(1)):,}" if not (1900 <= int(m.group(1)) <= 2100)
+                    else m.group(1), text)
+
+
+def note_parts(text: str) -> list[str]:
+    """``"Model: what: details"`` → [head, what, details], split at the first two ``": "`` that
+    are not inside parentheses; fewer parts when there are fewer."""
+    out, depth, start, i = [], 0, 0, 0
+    while i < len(text) and len(out) < 2:
+        ch = text[i]
+        depth += ch == "("
+        depth -= ch == ")" and depth > 0
+        if depth == 0 and text.startswith(": ", i):
+            out.append(text[start:i])
+            start = i + 2
+            i += 1
+        i += 1
+    return out + [text[start:]]
+
+
 def render_notes(notes: Sequence[str]) -> str:
+    """The notes on the weights, for people (:func:`humanize_note`), the first sentence of each
+    shown and the rest in a fold."""
     notes = [n for n in notes if n]
     if not notes:
         return ""
-    items = "".join(f"<li>{_esc(n)}</li>" for n in notes)
-    return f'<div class="aq-msg aq-note"><b>About these weights</b><ul>{items}</ul></div>'
+    items = []
+    for n in notes:
+        parts = note_parts(humanize_note(n))
+        if len(parts) == 3:  # "Model: what they are: the counts and dates"
+            head, what, rest = parts
+            items.append(f"<li>{_esc(head)}: <b>{_esc(what)}</b>"
+                         f"<details><summary>details</summary>{_esc(rest)}</details></li>")
+        else:
+            items.append(f"<li>{_esc(': '.join(parts))}</li>")
+    return (f'<div class="aq-msg aq-note"><b>About these weights</b><ul>{"".join(items)}</ul>'
+            "</div>")
 
 
 def record_notes(record: dict[str, Any]) -> list[str]:
@@ -362,6 +493,111 @@ def render_summary(record: dict[str, Any], seconds: float | None = None,
     return head + render_notes([n for n in record_notes(record) if n not in skip_notes])
 
 
+# ----------------------------------------------------------------------------------------------
+# The error map, the seed sweep, the history
+# ----------------------------------------------------------------------------------------------
+
+def _heat(x: float | None, lo: float, hi: float) -> str:
+    """A colour for ``x`` on a log scale from ``lo`` (dark) to ``hi`` (bright)."""
+
+    if x is None or x <= 0:
+        return "#ddd"
+    t = 0.0 if hi <= lo else (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    t = max(0.0, min(1.0, t))
+    stops = ((0.0, (20, 12, 50)), (0.35, (120, 30, 110)), (0.7, (230, 90, 70)), (1.0, (252, 240, 160)))
+    for (t0, c0), (t1, c1) in zip(stops, stops[1:]):
+        if t <= t1:
+            f = (t - t0) / (t1 - t0)
+            return "#" + "".join(f"{round(a + (b - a) * f):02x}" for a, b in zip(c0, c1))
+    return "#fcf0a0"
+
+
+def render_error_map(data: dict[str, Any] | None, labels: dict[str, str] | None = None,
+                     kind: str = "self") -> str:
+    """The attention-error map (``error_map.json`` as a dict) as one heatmap per 4-bit method:
+    layers down, denoising steps across, one shared log colour scale; each cell's title gives
+    its value."""
+    if not data or not data.get("methods"):
+        return ""
+    maps = data["methods"]
+    vals = [x for m in maps.values() for row in m["rel_error"].get(kind, []) for x in row
+            if x is not None and x > 0]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    panels = []
+    for method, m in maps.items():
+        grid = m["rel_error"].get(kind)
+        if not grid:
+            continue
+        steps, layers = len(grid), len(grid[0]) if grid else 0
+        cells = []
+        for layer in range(layers):
+            for step in range(steps):
+                x = grid[step][layer]
+                tip = f"layer {layer}, step {step + 1}: " + ("—" if x is None else f"{x:.4f}")
+                cells.append(f'<i style="background:{_heat(x, lo, hi)}" title="{_esc(tip)}"></i>')
+        summ = (data.get("summary") or {}).get(method, {})
+        mean = f" · mean {summ['mean']:.4f}" if summ.get("mean") is not None else ""
+        panels.append(
+            f'<figure class="aq-heat" data-method="{_esc(method)}" data-steps="{steps}" '
+            f'data-layers="{layers}"><figcaption><b>{_esc((labels or {}).get(method, method))}'
+            f'</b>{_esc(mean)}</figcaption><div class="aq-heat-grid" '
+            f'style="grid-template-columns: repeat({steps}, 1fr)">{"".join(cells)}</div>'
+            f'<div class="aq-sub">layers 0–{layers - 1} down, steps 1–{steps} across</div></figure>')
+    legend = (f'<div class="aq-heat-legend aq-sub"><span style="background:{_heat(lo, lo, hi)}">'
+              f'</span> {lo:.3g} … <span style="background:{_heat(hi, lo, hi)}"></span> {hi:.3g} '
+              f'(log scale)</div>')
+    return (f'<div class="aq-errmap"><b>Attention-error map</b> <span class="aq-sub">'
+            f'{_esc(kind)}-attention: ‖O<sub>4-bit</sub> − O<sub>BF16</sub>‖ / ‖O<sub>BF16</sub>‖ '
+            f'on the same q, k, v, per layer × denoising step. Where 4-bit attention departs from '
+            f'BF16, and where Attn-QAT changes it.</span><div class="aq-heat-row">'
+            f'{"".join(panels)}</div>{legend}</div>')
+
+
+def render_sweep(result: dict[str, Any] | None) -> str:
+    """A seed sweep's summary (:meth:`attnqat.sweep.SweepResult.to_dict`) as a table."""
+    if not result:
+        return ""
+    res = SweepResult(prompt=result["prompt"], seeds=result["seeds"], methods=result["methods"],
+                      rows=result["rows"], summary=result["summary"],
+                      score_name=result.get("score_name"))
+    head = "".join(f"<th>{_esc(h)}</th>" for h in TABLE_HEADER)
+    body = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in row) + "</tr>"
+                   for row in table_rows(res))
+    seeds = ", ".join(map(str, result["seeds"]))
+    secs = f" in {result['seconds']:.1f} s" if result.get("seconds") else ""
+    score = (f" Score: {_esc(result['score_name'])}." if result.get("score_name") else "")
+    return (f'<div class="aq-sweep"><b>Seed sweep</b> <span class="aq-sub">“{_esc(result["prompt"])}”'
+            f', {len(result["seeds"])} seeds ({_esc(seeds)}){_esc(secs)}: mean ± sample standard '
+            f'deviation. PSNR/SSIM are the 4-bit error (vs BF16 attention, same weights).{score}'
+            f'</span><table class="aq-sweep-table"><thead><tr>{head}</tr></thead><tbody>{body}'
+            f'</tbody></table></div>')
+
+
+def render_history(entries: Sequence[dict[str, Any]]) -> str:
+    """The session's recent generations, newest first, with their settings."""
+    if not entries:
+        return '<div class="aq-sub">No generation yet in this session.</div>'
+    rows = []
+    for i, e in enumerate(entries):
+        s = e["settings"]
+        rows.append(
+            f'<li data-index="{i}"><b>{i + 1}.</b> “{_esc(s["prompt"][:80])}” · seed '
+            f'{_esc(e.get("seed"))} · {_esc(", ".join(e.get("labels", [])))} · '
+            f'{_esc(s.get("resolution"))}, {_esc(s.get("frames"))} frames, {_esc(s.get("steps"))} '
+            f'steps · {_esc(e.get("when", ""))}</li>')
+    return f'<ol class="aq-history">{"".join(rows)}</ol>'
+
+
+def read_error_map(path: str | None) -> dict[str, Any] | None:
+    """``error_map.json`` of a run, or None when there is none (or it was removed)."""
+    if not path or not Path(path).is_file():
+        return None
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
 __all__ = ["ResultView", "file_url", "fmt_bytes", "fmt_seconds", "method_label", "metric_rows",
-           "read_static", "record_notes", "render_error", "render_input_errors", "render_notes",
+           "humanize_note", "read_error_map", "read_static", "receipt_lines", "render_error_map",
+           "render_history", "render_sweep", "record_notes", "render_receipt", "render_error", "render_input_errors", "render_notes",
            "render_plan", "render_player", "render_progress", "render_queued", "render_summary"]

@@ -41,10 +41,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from attnqat import methods as registry
+from attnqat import synthetic as syn
 from attnqat.generate import (GenerationError, GenerationSettings, InvalidInput, Limits, StepEvent,
                               method_label, resolve_settings, run_methods, write_outputs)
-from attnqat.record import GenerationRecord, Timings
+from attnqat.record import WEIGHTS_REFERENCE, GenerationRecord, Timings
 from attnqat.request import GenerationRequest
+from attnqat.sweep import seed_sweep
 from attnqat.wan import DEFAULT_MODEL, WanModels, default_shift, dtype_name, load_models
 
 #: One line under each built-in method's label (the registry's ``description``; Attn-QAT's depends on
@@ -63,6 +65,34 @@ def method_note(method: str, qat_info: dict[str, Any] | None = None) -> str:
     if m.generation == "finetuned" and not (qat_info or {}).get("fine_tuned"):
         return QAT_NOTE_BASE_COPY
     return m.description
+
+
+def attention_kind(slot: str) -> str:
+    """The attention a progress row's steps run (the Attn-QAT weights' BF16 reference: bf16)."""
+    return registry.slot_attention(slot) if slot in registry.names() else registry.REFERENCE
+
+
+#: The progress row of the Attn-QAT weights' BF16 clip (the reference of Attn-QAT's 4-bit error).
+REFERENCE_LABEL = "Attn-QAT weights, BF16 (reference)"
+
+_WORD = re.compile(r"[a-z]+|[^\sa-z]")
+
+
+def unknown_words(prompt: str, vocabulary: set[str]) -> list[str]:
+    """The words of ``prompt`` that are not in ``vocabulary`` (lower case, each once, in order):
+    what a model with a closed word list silently ignores."""
+    words = _WORD.findall((prompt or "").lower())
+    return list(dict.fromkeys(w for w in words if w.isalpha() and w not in vocabulary))
+
+
+def slug(text: str, n: int = 60) -> str:
+    """A file-name part of ``text``: lower-case words joined by hyphens, at most ``n`` characters,
+    cut between words."""
+    out = re.sub(r"[^a-z0-9]+", "-", (text or "").lower()).strip("-")
+    if len(out) > n:
+        cut = out[:n + 1]
+        out = cut[:cut.rfind("-")] if "-" in cut else out[:n]
+    return out or "clip"
 
 
 #: Inputs of a generation, in the order of the API endpoint's parameters.
@@ -147,7 +177,8 @@ class RunOutput:
     """One finished generation.
 
     ``clips`` are the labelled files (``<method>.mp4``), ``media`` the same clips under random
-    names for the players.
+    names for the players, ``downloads`` the same clips named by method, prompt and seed (in a
+    folder of their own, so that no blind URL leads to them); ``settings`` what was asked.
     """
 
     run_id: str
@@ -158,6 +189,8 @@ class RunOutput:
     record_path: Path
     media: dict[str, Path]
     seconds: float
+    downloads: dict[str, Path] | None = None
+    settings: GenerationSettings | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -177,8 +210,11 @@ class Progress:
     """Progress of one generation, per method and per denoising step, fed by generate's step
     callback (:meth:`on_step`); safe to read from another thread (:meth:`snapshot`)."""
 
-    def __init__(self, methods: Sequence[str], steps: int, labels: dict[str, str] | None = None):
+    def __init__(self, methods: Sequence[str], steps: int, labels: dict[str, str] | None = None,
+                 cost_ratio: dict[str, float] | None = None):
         self.methods = tuple(methods)
+        # seconds per step of each kind of attention relative to BF16, from earlier generations
+        self.cost_ratio = dict(cost_ratio or {})
         self.steps = steps
         self.labels = {m: (labels or {}).get(m, registry.label(m)) for m in self.methods}
         self._lock = threading.Lock()
@@ -228,31 +264,53 @@ class Progress:
                         self.phase, self.current = "writing", None
         self._notify()
 
-    def _eta_locked(self, now: float) -> float | None:
-        """Seconds left: steps left × the time per step so far, plus a decode per method left
-        (as long as the decodes so far took; unknown until the first step is done)."""
-        done = [r.timings for r in self._per.values() if r.timings is not None]
-        step_times = [t.denoising_s / self.steps for t in done if t.denoising_s]
-        decodes = [t.decoding_s for t in done if t.decoding_s is not None]
+    def _eta_locked(self, now: float) -> tuple[float | None, bool]:
+        """(seconds left, rough). Each method's steps are costed by the time per step of its own
+        kind of attention (:func:`attention_kind`): measured in this generation once a method of
+        that kind has run a step, else scaled from a measured kind by the ratio earlier
+        generations of this app measured (``cost_ratio``), else taken as the measured time per
+        step — then ``rough`` is True. Decodes cost what the decodes so far took."""
+        per_kind: dict[str, float] = {}
+        decodes = []
+        for m, r in self._per.items():
+            t = r.timings
+            if t is not None and t.denoising_s:
+                per_kind[attention_kind(m)] = t.denoising_s / self.steps
+            if t is not None and t.decoding_s is not None:
+                decodes.append(t.decoding_s)
         cur = self._per.get(self.current) if self.current else None
         if cur is not None and cur.state == "denoising" and cur.step > 0 and cur.denoise_started:
-            step_times.append((now - cur.denoise_started) / cur.step)
-        if not step_times:
-            return None
-        per_step = step_times[-1]
-        decode = sum(decodes) / len(decodes) if decodes else per_step * 2
+            per_kind[attention_kind(self.current)] = (now - cur.denoise_started) / cur.step
+        if not per_kind:
+            return None, False
+        last_kind = attention_kind(self.current) if self.current in self._per and \
+            attention_kind(self.current) in per_kind else next(reversed(per_kind))
+        rough = False
+
+        def per_step(kind: str) -> float:
+            nonlocal rough
+            if kind in per_kind:
+                return per_kind[kind]
+            for known, sec in per_kind.items():
+                if kind in self.cost_ratio and known in self.cost_ratio and self.cost_ratio[known] > 0:
+                    return sec * self.cost_ratio[kind] / self.cost_ratio[known]
+            rough = True
+            return per_kind[last_kind]
+
+        decode = sum(decodes) / len(decodes) if decodes else per_kind[last_kind] * 2
         left = 0.0
-        for r in self._per.values():
+        for m, r in self._per.items():
             if r.state in ("waiting", "denoising"):
-                left += (self.steps - r.step) * per_step + decode
+                left += (self.steps - r.step) * per_step(attention_kind(m)) + decode
             elif r.state == "decoding":
                 left += decode / 2
-        return left
+        return left, rough
 
     def snapshot(self) -> dict[str, Any]:
-        """``{"phase", "elapsed_s", "eta_s", "fraction", "current", "methods": [{"method",
-        "label", "state", "step", "steps", "fraction", "timings"}]}`` with state one of waiting,
-        denoising, decoding, done; ``eta_s`` None until one step has been timed."""
+        """``{"phase", "elapsed_s", "eta_s", "eta_rough", "fraction", "current", "methods":
+        [{"method", "label", "state", "step", "steps", "fraction", "timings"}]}`` with state one
+        of waiting, denoising, decoding, done; ``eta_s`` None until one step has been timed,
+        ``eta_rough`` True while some kind of attention still to run has no timing to go by."""
         now = time.monotonic()
         with self._lock:
             per = []
@@ -265,8 +323,9 @@ class Progress:
                             "steps": self.steps, "fraction": done_units / (self.steps + 1),
                             "timings": r.timings})
             total = len(self.methods) * (self.steps + 1)
+            eta, rough = self._eta_locked(now)
             return {"phase": self.phase, "elapsed_s": now - self.started,
-                    "eta_s": self._eta_locked(now), "fraction": units / total if total else 0.0,
+                    "eta_s": eta, "eta_rough": rough, "fraction": units / total if total else 0.0,
                     "current": self.current, "methods": per}
 
     def describe(self, snap: dict[str, Any] | None = None) -> str:
@@ -348,8 +407,10 @@ class AppService:
         self.root = root
         self.runs_root = root / "runs"
         self.media_root = root / "media"
-        self.runs_root.mkdir(parents=True, exist_ok=True)
-        self.media_root.mkdir(parents=True, exist_ok=True)
+        self.downloads_root = root / "downloads"
+        self.sweeps_root = root / "sweeps"
+        for sub in (self.runs_root, self.media_root, self.downloads_root, self.sweeps_root):
+            sub.mkdir(parents=True, exist_ok=True)
         (root / MARKER).write_text("output folder of `attnqat app`; it deletes old results here\n")
         d = self.info.defaults
         if limits is None:
@@ -362,6 +423,8 @@ class AppService:
         self.limits = limits
         self._lock = threading.Lock()
         self.runs_done = 0
+        #: seconds per denoising step of each kind of attention relative to BF16 (last measured)
+        self.cost_ratio: dict[str, float] = {}
         self.prune()
 
     # -- what the model offers ----------------------------------------------------------------
@@ -416,6 +479,66 @@ class AppService:
             out.append((f"{w}×{h} ({tag})", f"{w}x{h}"))
         return out
 
+    def vocabulary(self) -> set[str] | None:
+        """The words the model was trained on, when that is a closed list (the tiny model: the
+        words of the synthetic captions, :mod:`attnqat.synthetic`; its tokenizer has more words,
+        but it never saw them in training); None for a real Wan model (UMT5 reads any text)."""
+        if self.info.kind != "tiny-wan":
+            return None
+        words = {"a", "an", "on", "and", "background", "grey"}
+        for group in (syn.COLOURS, syn.BACKGROUNDS, syn.SHAPES):
+            words.update(group)
+        for phrase in syn.MOTION_PHRASE.values():
+            words.update(phrase.split())
+        return words
+
+    def prompt_warning(self, prompt: Any) -> str | None:
+        """A warning naming the words of ``prompt`` the model does not know (None: none, or a
+        model that reads any text)."""
+        vocab = self.vocabulary()
+        if vocab is None or not isinstance(prompt, str) or not prompt.strip():
+            return None
+        unknown = unknown_words(prompt, vocab)
+        if not unknown:
+            return None
+        return (f"The embedded tiny model does not know {', '.join(repr(w) for w in unknown[:12])}"
+                f"{' …' if len(unknown) > 12 else ''}: it ignores "
+                f"{'them' if len(unknown) > 1 else 'it'}. It draws coloured shapes that move on a "
+                "plain background; use the prompt builder or an example.")
+
+    def sweep(self, settings: GenerationSettings, seeds: Sequence[int], *,
+              on_step: Callable[[int, StepEvent], None] | None = None,
+              cancel: threading.Event | None = None):
+        """A seed sweep of ``settings`` (:func:`attnqat.sweep.seed_sweep`) under the generation
+        lock, with the procedural score for the tiny model."""
+        score, name = None, None
+        if self.info.kind == "tiny-wan":
+            from attnqat.eval.procedural import score_clip  # noqa: PLC0415  (scipy: only for a sweep of the tiny model)
+
+            score = (lambda prompt, frames: score_clip(prompt, frames)["aggregate"])
+            name = "procedural score (tiny model: 0.75·prompt + 0.25·quality)"
+
+        def step(i: int, ev: StepEvent) -> None:
+            if cancel is not None and cancel.is_set():
+                raise GenerationCancelled("the sweep was stopped")
+            if on_step is not None:
+                on_step(i, ev)
+
+        with self._lock:
+            try:
+                return seed_sweep(self.models, settings, seeds, score=score, score_name=name,
+                                  on_step=step)
+            except GenerationCancelled:
+                raise
+            except torch.OutOfMemoryError as exc:
+                self._after_failure(self.root / ".none")
+                raise GenerationFailed(f"Out of memory in the seed sweep at "
+                                       f"{size_text(settings)}: try fewer frames or a smaller "
+                                       "resolution.") from exc
+            except Exception as exc:  # noqa: BLE001 - one message for the page
+                traceback.print_exc(file=sys.stderr)
+                raise GenerationFailed(f"The seed sweep failed: {type(exc).__name__}: {exc}") from exc
+
     # -- inputs -------------------------------------------------------------------------------
     def check(self, prompt: Any, methods: Any, seed: Any = -1, steps: Any = None,
               guidance: Any = None, shift: Any = None, resolution: Any = None, frames: Any = None,
@@ -468,12 +591,33 @@ class AppService:
         return {}
 
     # -- generation ---------------------------------------------------------------------------
+    def runs_weights_reference(self, settings: GenerationSettings) -> bool:
+        """Whether a generation of ``settings`` also runs the Attn-QAT weights with BF16 attention
+        (the reference of Attn-QAT's 4-bit error; :func:`attnqat.generate.run_methods`)."""
+        qat = self.models.qat_info or {}
+        return (any(registry.uses_finetuned(m) for m in settings.methods)
+                and not (qat.get("identical_to_base") and registry.REFERENCE in settings.methods))
+
     def new_progress(self, settings: GenerationSettings) -> Progress:
-        return Progress(settings.methods, settings.steps,
-                        {m: self.label(m) for m in settings.methods})
+        rows = list(settings.methods)
+        labels = {m: self.label(m) for m in settings.methods}
+        if self.runs_weights_reference(settings):
+            rows.append(WEIGHTS_REFERENCE)
+            labels[WEIGHTS_REFERENCE] = REFERENCE_LABEL
+        return Progress(rows, settings.steps, labels, cost_ratio=self.cost_ratio)
+
+    def _learn_costs(self, record: GenerationRecord) -> None:
+        """Remember each kind of attention's time per step relative to BF16 (for estimates)."""
+        per = {}
+        for m, r in [*record.methods.items(), *record.references.items()]:
+            if r.timings.denoising_s:
+                per[attention_kind(m)] = r.timings.denoising_s
+        base = per.get(registry.REFERENCE)
+        if base:
+            self.cost_ratio.update({k: v / base for k, v in per.items()})
 
     def run(self, settings: GenerationSettings, *, progress: Progress | None = None,
-            cancel: threading.Event | None = None) -> RunOutput:
+            cancel: threading.Event | None = None, error_map: bool = False) -> RunOutput:
         """Generate ``settings`` (from :meth:`check`) into a new request folder (one generation at
         a time).
 
@@ -487,7 +631,7 @@ class AppService:
                 raise GenerationCancelled("the request was stopped before it started")
             progress.set_phase("text")
             try:
-                out = self._run_locked(settings, progress, cancel)
+                out = self._run_locked(settings, progress, cancel, error_map)
             except BaseException:
                 progress.set_phase("failed")
                 raise
@@ -510,13 +654,13 @@ class AppService:
         return on_step
 
     def _run_locked(self, settings: GenerationSettings, progress: Progress,
-                    cancel: threading.Event | None) -> RunOutput:
+                    cancel: threading.Event | None, error_map: bool = False) -> RunOutput:
         run_id = _stamp()
         folder = self.runs_root / run_id
         t0 = time.monotonic()
         try:
             result = run_methods(self.models, settings, progress=False,
-                                 on_step=self._step_callback(progress, cancel))
+                                 on_step=self._step_callback(progress, cancel), error_map=error_map)
             write_outputs(result, settings, folder)
         except GenerationCancelled:
             self._after_failure(folder)
@@ -549,11 +693,19 @@ class AppService:
             dst = media_dir / f"{secrets.token_hex(8)}.mp4"
             _link_or_copy(path, dst)
             media[m] = dst
+        downloads_dir = self.downloads_root / _stamp()  # drawn apart from the media folder
+        downloads_dir.mkdir()
+        downloads = {}
+        for m, path in clips.items():
+            dst = downloads_dir / f"{m}_{slug(settings.prompt)}_seed{result.record.seed}.mp4"
+            _link_or_copy(path, dst)
+            downloads[m] = dst
         self.runs_done += 1
+        self._learn_costs(result.record)
         out = RunOutput(run_id=run_id, folder=folder, record=result.record, clips=clips,
                         side_by_side=folder / result.record.side_by_side,
                         record_path=folder / "record.json", media=media,
-                        seconds=time.monotonic() - t0)
+                        seconds=time.monotonic() - t0, downloads=downloads, settings=settings)
         self.prune()
         return out
 
@@ -564,11 +716,18 @@ class AppService:
             torch.cuda.empty_cache()
 
     # -- files --------------------------------------------------------------------------------
+    def sweeps_folder(self) -> Path:
+        """A new folder for a seed sweep's table and plot (old ones are pruned like results)."""
+        folder = self.sweeps_root / _stamp()
+        folder.mkdir()
+        self.prune()
+        return folder
+
     def prune(self) -> list[Path]:
         """Delete all but the ``keep`` newest results (only folders named like the app's own).
         Returns the folders deleted."""
         removed: list[Path] = []
-        for sub in (self.runs_root, self.media_root):
+        for sub in (self.runs_root, self.media_root, self.downloads_root, self.sweeps_root):
             names = sorted(p.name for p in sub.iterdir() if p.is_dir() and _NAME.match(p.name))
             for name in names[:-self.keep] if len(names) > self.keep else []:
                 shutil.rmtree(sub / name, ignore_errors=True)
@@ -599,7 +758,7 @@ def load_service(model: str | None = None, *, qat_transformer: str | None = "aut
     return AppService(models, output_dir=output_dir, keep=keep, fault=fault)
 
 
-__all__ = ["APP_LIMITS", "AppService", "FAULT_ENV", "FIELDS", "FIELD_NAMES", "Fault",
+__all__ = ["APP_LIMITS", "AppService", "REFERENCE_LABEL", "attention_kind", "slug", "unknown_words", "FAULT_ENV", "FIELDS", "FIELD_NAMES", "Fault",
            "GenerationCancelled", "GenerationFailed", "METHOD_NOTES", "Progress", "RunOutput",
            "describe_errors", "load_service", "method_note", "page_errors", "parse_resolution",
            "size_text"]

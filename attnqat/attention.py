@@ -21,17 +21,30 @@ Backends: ``"torch"`` is the method's PyTorch reference (:mod:`attnqat.ops` over
 :mod:`attnqat.reference`), ``"triton"`` its fused kernels (:mod:`attnqat.kernels`, CUDA), ``"auto"``
 the kernels where they support the inputs and otherwise the PyTorch reference OF THE SAME METHOD,
 with a one-time warning saying why. No backend ever substitutes a different method.
+
+What ran is recorded, not inferred from the settings: inside :func:`dispatch_log` every call adds
+one :class:`Dispatch` — the implementation that computed it (``sdpa`` with the SDPA backend torch's
+own dispatcher picked, ``reference``, ``triton`` or ``gluon`` as the kernels' dispatch noted it),
+device, dtype, and the reason when ``auto`` fell back from the kernels to the reference.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass
+from typing import Iterator
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from . import methods as registry
+from . import ops
 from . import reference as ref
+from .kernels import receipt
 
 #: the built-in methods (registered by :mod:`attnqat.methods` at import); the live lists are
 #: :func:`attnqat.methods.names` and friends, which include methods registered later
@@ -42,6 +55,85 @@ BACKENDS = ("auto", "torch", "triton")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 _warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One kind of attention call as it ran: ``method``; ``implementation`` — ``"sdpa"`` (PyTorch
+    scaled_dot_product_attention; ``detail`` is the backend torch's dispatcher chose for these
+    inputs: FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION, MATH, ...), ``"reference"``
+    (the PyTorch reference of :mod:`attnqat.reference`), ``"triton"`` or ``"gluon"`` (the fused
+    kernels, as their own dispatch chose); ``fallback`` — why ``backend="auto"`` did not run the
+    kernels it would have preferred (None when nothing fell back)."""
+
+    method: str
+    implementation: str
+    device: str
+    dtype: str
+    backend: str
+    detail: str | None = None
+    fallback: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class DispatchLog:
+    """Counts of :class:`Dispatch` records gathered by :func:`dispatch_log`."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[Dispatch] = Counter()
+
+    def add(self, d: Dispatch) -> None:
+        self.counts[d] += 1
+
+    def clear(self) -> None:
+        self.counts.clear()
+
+    def entries(self) -> list[dict]:
+        """Each distinct dispatch with its ``calls``, most frequent first."""
+        return [{**d.to_dict(), "calls": n} for d, n in self.counts.most_common()]
+
+
+_LOG: ContextVar[DispatchLog | None] = ContextVar("attnqat_dispatch_log", default=None)
+
+
+@contextmanager
+def dispatch_log(log: DispatchLog | None = None) -> Iterator[DispatchLog]:
+    """Record every :func:`attention` call inside the block into ``log`` (a new one if None)."""
+    log = DispatchLog() if log is None else log
+    token = _LOG.set(log)
+    try:
+        yield log
+    finally:
+        _LOG.reset(token)
+
+
+def _sdpa_backend(q, k, v, scale: float) -> str:
+    """The SDPA backend torch's dispatcher picks for these (B, H, S, D) inputs (the function SDPA
+    itself calls to choose)."""
+    try:
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, None, 0.0, False, scale=scale)).name
+    except Exception as exc:  # noqa: BLE001 - a private torch function; say that it is unknown
+        return f"unknown ({type(exc).__name__})"
+
+
+def _active_log() -> DispatchLog | None:
+    """The log of the enclosing :func:`dispatch_log`, or None. None while ``torch.compile`` traces:
+    a receipt is per call as it runs, which a compiled graph does not replay (and dynamo cannot
+    trace a ``ContextVar`` read)."""
+    if torch.compiler.is_compiling():
+        return None
+    return _LOG.get()
+
+
+def _record(q, method: str, implementation: str, backend: str, detail: str | None = None,
+            fallback: str | None = None) -> None:
+    log = _active_log()
+    if log is not None:
+        log.add(Dispatch(method=method, implementation=implementation, device=str(q.device),
+                         dtype=str(q.dtype).removeprefix("torch."), backend=backend, detail=detail,
+                         fallback=fallback))
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -86,6 +178,19 @@ def validate(q, k, v, method: str, softmax_scale, backend: str) -> float:
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
     return scale
+
+
+def _reference(m: registry.AttentionMethod, q, k, v, scale: float, backend: str,
+               fallback: str | None = None) -> torch.Tensor:
+    """``m``'s PyTorch reference, recorded as what ran: ``sdpa`` (with the SDPA backend torch's
+    dispatcher picks) when the reference is PyTorch's SDPA, ``reference`` otherwise."""
+    if _active_log() is not None:
+        if m.reference is ops.sdpa_attention:
+            qb, kb, vb = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            _record(q, m.name, "sdpa", backend, _sdpa_backend(qb, kb, vb, scale), fallback)
+        else:
+            _record(q, m.name, "reference", backend, None, fallback)
+    return m.reference(q, k, v, scale)
 
 
 def _kernels():
@@ -149,14 +254,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, method: str = "
         if q.device.type == "cuda" and backend == "auto":
             _warn_once(f"ablation:{ablation}", f"attnqat.attention: the Attn-QAT ablation {ablation!r} "
                        "runs on the PyTorch reference (no Triton kernel implements it)")
+        _record(q, method, "reference", backend, ablation)
         return m.reference(q, k, v, scale, ablation=ablation)
     if backend == "torch" or (backend == "auto" and (q.device.type != "cuda" or m.kernel is None)):
-        return m.reference(q, k, v, scale)
+        # auto on a CPU: the kernels need CUDA, so the reference is what auto means there
+        return _reference(m, q, k, v, scale, backend)
     run, why = _kernel(m, q, k, v)
     if why is None:
-        return run(q, k, v, scale)
+        if _active_log() is None:
+            return run(q, k, v, scale)
+        with receipt.collect() as ran:
+            out = run(q, k, v, scale)
+        # the kernels note each Gluon/Triton choice they make; the paths that have no Gluon
+        # version make none, and are Triton kernels
+        _record(q, method, "+".join(dict.fromkeys(ran)) or "triton", backend)
+        return out
     if backend == "triton":
         raise RuntimeError(f"backend='triton' cannot run method {method!r} here: {why}")
     _warn_once(f"{method}:{why}", f"attnqat.attention: Triton kernel not used for method {method!r} "
                f"({why}); running the PyTorch reference of the same method instead")
-    return m.reference(q, k, v, scale)
+    return _reference(m, q, k, v, scale, backend, fallback=why)

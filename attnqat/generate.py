@@ -52,11 +52,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from . import error_map as em
 from . import methods as registry
 from . import video as vid
 from .attention import BACKENDS
 from .family import WAN21_T2V, ModelFamily
-from .record import GenerationRecord, MethodRecord, Precision, QATRecord, Timings
+from .record import (COMPARISON_NOTE, WEIGHTS_REFERENCE, GenerationRecord, MethodRecord, Precision,
+                     QATRecord, Timings)
 from .request import GenerationRequest
 from .wan import (DEFAULT_MODEL, FP4_SCOPES, ModelInfo, ModelLoadError, WanModels, default_shift,
                   dtype_name, latent_shape, load_models, model_info, resolve_device, resolve_dtype,
@@ -169,12 +171,19 @@ class GenerationResult:
         videos: method → (frames, height, width, 3) uint8 RGB.
         out: the folder written, or None when ``out`` was None.
         initial_latents: the noise every method started from (CPU, float32).
+        reference_videos: the reference clips that are not methods (:data:`WEIGHTS_REFERENCE`:
+            the Attn-QAT weights with BF16 attention), frames as ``videos``; kept in memory for
+            the comparisons, not written (the record holds their measurements).
+        error_map: method → its attention-error map (``run_methods(error_map=True)``; written as
+            ``error_map.json`` and ``error_map.png``), None when not collected.
     """
 
     record: GenerationRecord
     videos: dict[str, np.ndarray]
     out: Path | None = None
     initial_latents: torch.Tensor | None = field(default=None, repr=False)
+    reference_videos: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    error_map: dict[str, dict[str, Any]] | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -620,8 +629,10 @@ def decode(models: WanModels, latents: torch.Tensor) -> np.ndarray:
 
 def _run_slot(models: WanModels, settings: GenerationSettings, slot: str, pe, ne, lat0: torch.Tensor,
               emit: Callable[..., None], *, t_text: float, progress: bool,
-              log: Callable[[str], None] | None) -> tuple[np.ndarray, MethodRecord]:
-    """Denoise and decode one generation slot; its frames and its record (without comparisons)."""
+              log: Callable[[str], None] | None,
+              error_map: bool = False) -> tuple[np.ndarray, MethodRecord, dict[str, Any] | None]:
+    """Denoise and decode one generation slot; its frames, its record (without comparisons) and,
+    with ``error_map`` for a method other than the reference, its attention-error map."""
     from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm.auto probes for notebooks: only when generating)
 
     dev = models.device
@@ -630,6 +641,10 @@ def _run_slot(models: WanModels, settings: GenerationSettings, slot: str, pe, ne
     proc = set_method(transformer, attn_method, fp4_scope=settings.fp4_scope,
                       backend=settings.backend)
     proc.reset_stats()
+    observer, previous_observer = None, proc.observer
+    if error_map and attn_method != registry.REFERENCE:
+        observer = error_map_observer(transformer, settings)
+        proc.observer = observer
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     bar = tqdm(total=settings.steps, desc=f"{slot:>7}", unit="step", disable=not progress,
@@ -637,6 +652,8 @@ def _run_slot(models: WanModels, settings: GenerationSettings, slot: str, pe, ne
 
     def stepped(i: int, slot: str = slot) -> None:
         bar.update(1)
+        if observer is not None:
+            observer.next_step()
         emit("denoising", slot, i + 1)
 
     try:
@@ -651,6 +668,11 @@ def _run_slot(models: WanModels, settings: GenerationSettings, slot: str, pe, ne
             t_denoise = time.perf_counter() - t1
     finally:
         bar.close()
+        proc.observer = previous_observer
+    emap = None
+    if observer is not None:
+        emap = {"attention_method": attn_method, "layers": observer.layers,
+                "steps": observer.steps, "rel_error": observer.result()}
     stats = proc.stats()
     emit("decoding", slot, settings.steps)
     t2 = time.perf_counter()
@@ -669,34 +691,26 @@ def _run_slot(models: WanModels, settings: GenerationSettings, slot: str, pe, ne
         transformer="attnqat" if registry.uses_finetuned(slot) else "base", attention_method=attn_method,
         timings=timings, attention_calls=stats["calls"],
         transformer_calls=settings.transformer_calls_per_method, peak_memory_bytes=peak,
-        peak_memory_kind=peak_kind)
+        peak_memory_kind=peak_kind, dispatch=stats["dispatch"],
+        fallbacks=dispatch_fallbacks(stats["dispatch"]))
     emit("done", slot, settings.steps, timings)
     if log is not None:
         log(f"{slot}: denoising {t_denoise:.2f} s (attention {attn_s:.2f} s), decoding {t_decode:.2f} s")
-    return frames, record
-
-
-def _compare_with_reference(videos: dict[str, np.ndarray], per_method: dict[str, MethodRecord]) -> None:
-    """PSNR and SSIM of every clip against the reference method's clip, when it ran."""
-    if registry.REFERENCE in videos:
-        ref = videos[registry.REFERENCE]
-        for slot, frames in videos.items():
-            if slot == registry.REFERENCE:
-                continue
-            p = vid.psnr(frames, ref)
-            per_method[slot].psnr = None if math.isinf(p) else p
-            per_method[slot].identical_to_bf16 = math.isinf(p)
-            per_method[slot].ssim = vid.ssim(frames, ref)
+    return frames, record, emap
 
 
 def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bool = True,
                 log: Callable[[str], None] | None = None,
-                on_step: Callable[[StepEvent], None] | None = None) -> GenerationResult:
+                on_step: Callable[[StepEvent], None] | None = None,
+                error_map: bool = False) -> GenerationResult:
     """Run every method of ``settings`` (from :func:`resolve_settings` with these ``models``) on
     loaded ``models``; nothing is written to disk and nothing is validated again.
 
     ``on_step`` is called with a :class:`StepEvent` as the generation goes (after each denoising
     step, around decoding); raising in it stops the generation.
+
+    ``error_map``: also collect each 4-bit method's attention-error map (:mod:`attnqat.error_map`;
+    ``result.error_map``, its summary in the record).
 
     Returns a :class:`GenerationResult` whose ``record`` is complete except for file names.
     """
@@ -726,10 +740,30 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
 
     videos: dict[str, np.ndarray] = {}
     per_method: dict[str, MethodRecord] = {}
+    maps: dict[str, dict[str, Any]] = {}
     for slot in settings.methods:
-        videos[slot], per_method[slot] = _run_slot(models, settings, slot, pe, ne, lat0, emit,
-                                                   t_text=t_text, progress=progress, log=log)
-    _compare_with_reference(videos, per_method)
+        videos[slot], per_method[slot], emap = _run_slot(
+            models, settings, slot, pe, ne, lat0, emit, t_text=t_text, progress=progress, log=log,
+            error_map=error_map)
+        if emap is not None:
+            maps[slot] = emap
+
+    references: dict[str, MethodRecord] = {}
+    ref_videos: dict[str, np.ndarray] = {}
+    ran_finetuned = [slot for slot in videos if registry.uses_finetuned(slot)]
+    if ran_finetuned:
+        base_ref = videos.get(registry.REFERENCE)
+        if models.qat_info and models.qat_info.get("identical_to_base") and base_ref is not None:
+            ref_videos[WEIGHTS_REFERENCE] = base_ref  # the same weights: the same clip
+            references[WEIGHTS_REFERENCE] = MethodRecord(
+                label=f"{per_method[ran_finetuned[0]].label} weights, "
+                      f"{registry.label(registry.REFERENCE)} attention (= the "
+                      f"{registry.label(registry.REFERENCE)} clip: the weights equal the base model's)",
+                transformer="attnqat", attention_method=registry.REFERENCE)
+        else:
+            ref_videos[WEIGHTS_REFERENCE], references[WEIGHTS_REFERENCE] = weights_reference_clip(
+                models, settings, lat0, pe, ne, emit=emit, progress=progress, slot=ran_finetuned[0])
+    drift = four_bit_errors(videos, per_method, ref_videos)
 
     with_qat = bool(finetuned) and models.qat_info is not None
     record = GenerationRecord(
@@ -741,8 +775,125 @@ def run_methods(models: WanModels, settings: GenerationSettings, *, progress: bo
         model_weights_note=models.info.weights_note,
         qat=QATRecord.from_dict(models.qat_info) if with_qat else None,
         qat_weights_note=models.qat_info.get("note") if with_qat else None,
-        methods=per_method)
-    return GenerationResult(record=record, videos=videos, initial_latents=lat0)
+        methods=per_method, references=references, weights_drift=drift,
+        comparison_note=COMPARISON_NOTE,
+        error_map={"summary": em.summarize(maps),
+                   "note": "collected during this generation: the 4-bit methods' denoising times "
+                           "include the BF16 reference attention it runs"} if maps else None)
+    return GenerationResult(record=record, videos=videos, initial_latents=lat0,
+                            reference_videos=ref_videos, error_map=maps or None)
+
+
+def error_map_observer(transformer, settings: GenerationSettings) -> "em.ErrorMapObserver":
+    """The observer that collects a method's attention-error map (:mod:`attnqat.error_map`):
+    one row per transformer block, one column per step, self-attention (and cross-attention when
+    it is 4-bit too)."""
+    kinds = ("self", "cross") if settings.fp4_scope == "all" else ("self",)
+    return em.ErrorMapObserver(len(transformer.blocks), settings.steps, kinds)
+
+
+def _compare(frames: np.ndarray, ref: np.ndarray) -> tuple[float | None, float, bool]:
+    """(PSNR or None when identical, SSIM, identical) of ``frames`` against ``ref``."""
+    p = vid.psnr(frames, ref)
+    return (None if math.isinf(p) else p), vid.ssim(frames, ref), math.isinf(p)
+
+
+def four_bit_errors(videos: dict[str, np.ndarray], per_method: dict[str, MethodRecord],
+                    ref_videos: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    """Fill each 4-bit method's 4-bit error — PSNR/SSIM against BF16 attention with the same
+    weights: slots on the base weights (``nvfp4``/``sage3``) against the reference method's clip
+    (``bf16``), slots on fine-tuned weights (``attnqat``, :func:`attnqat.methods.uses_finetuned`)
+    against those weights' own BF16 clip (``ref_videos[WEIGHTS_REFERENCE]``) — and, for the latter,
+    their difference from the base BF16 clip. Returns the fine-tuning drift (the fine-tuned
+    weights' BF16 clip against the base BF16 clip), or None when either clip is missing."""
+    base = videos.get(registry.REFERENCE)
+    for slot, frames in videos.items():
+        if slot == registry.REFERENCE:
+            continue
+        finetuned = registry.uses_finetuned(slot)
+        ref_name = WEIGHTS_REFERENCE if finetuned else registry.REFERENCE
+        ref = ref_videos.get(ref_name) if finetuned else base
+        if ref is not None:
+            rec = per_method[slot]
+            rec.psnr, rec.ssim, rec.identical_to_bf16 = _compare(frames, ref)
+            rec.reference = ref_name
+        if finetuned and base is not None:
+            p, q, _ = _compare(frames, base)
+            per_method[slot].psnr_vs_base_bf16, per_method[slot].ssim_vs_base_bf16 = p, q
+    if WEIGHTS_REFERENCE in ref_videos and base is not None:
+        p, q, same = _compare(ref_videos[WEIGHTS_REFERENCE], base)
+        return {"psnr": p, "ssim": q, "identical": same,
+                "compares": "Attn-QAT weights with BF16 attention vs the base weights with BF16 "
+                            "attention (fine-tuning drift, no 4-bit error in it)"}
+    return None
+
+
+def weights_reference_clip(models: WanModels, settings: GenerationSettings, lat0: torch.Tensor,
+                           pe: torch.Tensor, ne: torch.Tensor | None, *,
+                           emit: Callable[..., None] | None = None,
+                           progress: bool = False,
+                           slot: str | None = None) -> tuple[np.ndarray, MethodRecord]:
+    """The Attn-QAT weights with BF16 attention, from the same noise and embeddings: the reference
+    of Attn-QAT's 4-bit error (:data:`~attnqat.record.WEIGHTS_REFERENCE`). Reports its steps to
+    ``emit(phase, WEIGHTS_REFERENCE, step)`` as a method would. ``slot``: the generation slot on
+    the fine-tuned weights whose reference this is (its label names the weights; None: the first
+    such slot of the registry)."""
+    from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm.auto probes for notebooks: only when generating)
+
+    if slot is None:
+        slot = next(m for m in registry.generation() if registry.uses_finetuned(m))
+
+    dev = models.device
+    transformer = models.qat_transformer
+    proc = set_method(transformer, registry.REFERENCE, fp4_scope=settings.fp4_scope,
+                      backend=settings.backend)
+    proc.reset_stats()
+    bar = tqdm(total=settings.steps, desc="ref bf16", unit="step", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+
+    def stepped(i: int) -> None:
+        bar.update(1)
+        if emit is not None:
+            emit("denoising", WEIGHTS_REFERENCE, i + 1)
+
+    try:
+        if emit is not None:
+            emit("denoising", WEIGHTS_REFERENCE, 0)
+        with models.on_device(transformer):
+            _sync(dev)
+            t1 = time.perf_counter()
+            latents = denoise(transformer, models.pipe.scheduler, lat0, pe, ne, steps=settings.steps,
+                              guidance=settings.guidance, shift=settings.shift, device=dev,
+                              on_step=stepped)
+            _sync(dev)
+            t_denoise = time.perf_counter() - t1
+    finally:
+        bar.close()
+    stats = proc.stats()
+    if emit is not None:
+        emit("decoding", WEIGHTS_REFERENCE, settings.steps)
+    t2 = time.perf_counter()
+    frames = decode(models, latents)
+    _sync(dev)
+    t_decode = time.perf_counter() - t2
+    timings = Timings(denoising_s=t_denoise, decoding_s=t_decode, attention_s=stats["attention_s"],
+                      total_s=t_denoise + t_decode)
+    if emit is not None:
+        emit("done", WEIGHTS_REFERENCE, settings.steps, timings)
+    rec = MethodRecord(label=f"{method_label(slot, models.qat_info)} weights, "
+                             f"{registry.label(registry.REFERENCE)} attention",
+                       transformer="attnqat", attention_method=registry.REFERENCE, timings=timings,
+                       attention_calls=stats["calls"],
+                       transformer_calls=settings.transformer_calls_per_method,
+                       dispatch=stats["dispatch"], fallbacks=dispatch_fallbacks(stats["dispatch"]))
+    return frames, rec
+
+
+def dispatch_fallbacks(dispatch: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per distinct fallback in a processor's dispatch log (empty: nothing fell back)."""
+    return [f"{d['kind']}-attention {d['method']} ran the {d['implementation']} instead of the "
+            f"kernels ({d['calls']} calls): {d['fallback']}"
+            for d in dispatch if d.get("fallback")]
 
 
 def versions() -> dict[str, Any]:
@@ -785,12 +936,13 @@ def write_outputs(result: GenerationResult, settings: GenerationSettings, out: s
         for slot, frames in result.videos.items():
             vid.write_mp4(frames, tmp / f"{slot}.mp4", settings.fps)
             record.methods[slot].video = f"{slot}.mp4"
-        # the band names the slot, or what the attnqat slot holds when it is not Attn-QAT weights
-        bands = {slot: record.methods[slot].label if record.methods[slot].label.startswith("not Attn-QAT")
-                 else slot for slot in result.videos}
-        vid.side_by_side({bands[slot]: tmp / f"{slot}.mp4" for slot in result.videos},
-                         tmp / "side_by_side.mp4", fps=settings.fps)
+        vid.side_by_side({(record.methods[slot].label or slot): tmp / f"{slot}.mp4"
+                          for slot in result.videos}, tmp / "side_by_side.mp4", fps=settings.fps)
         record.side_by_side = "side_by_side.mp4"
+        if result.error_map:
+            files = em.write_error_map(result.error_map, tmp, labels={
+                m: record.methods[m].label or m for m in result.error_map})
+            record.error_map = {**(record.error_map or {}), **files}
         record.save(tmp / "record.json")
         if not out.exists():
             os.replace(tmp, out)
@@ -828,6 +980,9 @@ def generate(request: GenerationRequest | str, *, progress: bool = True, models:
         log: called with one-line progress messages.
         on_step: called with a :class:`StepEvent` after each denoising step and around decoding
             (as diffusers' ``callback_on_step_end``); raising in it stops the generation.
+            The request's ``error_map`` also collects the attention-error map of each 4-bit
+            method (per layer × step relative error against BF16 attention on the same inputs;
+            ``out`` gets ``error_map.json`` and ``error_map.png``).
 
     Returns:
         :class:`GenerationResult`.
@@ -847,7 +1002,8 @@ def generate(request: GenerationRequest | str, *, progress: bool = True, models:
         if log is not None:
             log(f"loaded {settings.model} in {time.perf_counter() - t0:.1f} s ({settings.dtype}: "
                 f"{settings.dtype_reason})")
-    result = run_methods(models, settings, progress=progress, log=log, on_step=on_step)
+    result = run_methods(models, settings, progress=progress, log=log, on_step=on_step,
+                         error_map=bool(r.error_map))
     if settings.out is not None:
         write_outputs(result, settings, settings.out, overwrite=settings.overwrite)
     return result
@@ -855,5 +1011,5 @@ def generate(request: GenerationRequest | str, *, progress: bool = True, models:
 
 __all__ = ["GENERATION_METHODS", "GenerationError", "GenerationRequest", "GenerationResult", "GenerationSettings",
            "InvalidInput", "Limits", "METHOD_LABELS", "MAX_SEED", "SLOT_ATTENTION", "StepEvent",
-           "decode", "denoise", "encode_prompts", "generate", "initial_latents", "method_label",
-           "parse_methods", "resolve_settings", "run_methods", "versions", "write_outputs"]
+           "decode", "denoise", "dispatch_fallbacks", "encode_prompts", "error_map_observer", "four_bit_errors", "generate", "initial_latents", "method_label",
+           "parse_methods", "resolve_settings", "run_methods", "versions", "weights_reference_clip", "write_outputs"]

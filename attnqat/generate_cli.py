@@ -91,6 +91,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Ulysses sequence parallelism over N processes (one per GPU): launch "
                              "with `torchrun --nproc-per-node N -m attnqat.cli generate --sp N …`; "
                              "every method gives the one-GPU clip, rank 0 writes the outputs [1]")
+    parser.add_argument("--error-map", action="store_true",
+                        help="also measure each 4-bit method's attention error against BF16 "
+                             "attention on the same inputs, per layer x denoising step, and write "
+                             "error_map.json and error_map.png (a heatmap); adds one BF16 "
+                             "attention per attention call to the 4-bit methods' time")
 
 
 def option(field: str | None) -> str:
@@ -161,7 +166,7 @@ def summary(result) -> None:
         print(f"model: {rec.model_weights_note}")
     print(f"text encoding: {rec.text_encoding_s:.2f} s (once, shared by all methods)")
     print(f"{'method':>8} {'denoise s':>10} {'attention s':>12} {'decode s':>9} {'total s':>8} "
-          f"{'PSNR dB':>8} {'SSIM':>7}")
+          f"{'PSNR dB':>8} {'SSIM':>7}  (4-bit error: vs BF16 attention, same weights)")
     for m, d in rec.methods.items():
         t = d.timings
         if d.psnr is not None:
@@ -172,6 +177,31 @@ def summary(result) -> None:
         att = f"{t.attention_s:.2f}" if t.attention_s is not None else "-"
         print(f"{m:>8} {t.denoising_s:>10.2f} {att:>12} {t.decoding_s:>9.2f} {t.total_s:>8.2f} "
               f"{ps:>8} {ss:>7}")
+    finetuned = [m for m in rec.methods if m in registry.names() and registry.uses_finetuned(m)]
+    for name, d in rec.references.items():
+        t = d.timings
+        print(f"{name}: the reference of {', '.join(finetuned) or 'the fine-tuned weights'}'s 4-bit "
+              f"error ({d.label}); denoise {t.denoising_s or 0:.2f} s, decode {t.decoding_s or 0:.2f} s")
+    if rec.weights_drift is not None:
+        w = rec.weights_drift
+        ps = "identical" if w["identical"] else f"{w['psnr']:.2f} dB"
+        print(f"fine-tuning drift (Attn-QAT weights vs base, both BF16 attention): PSNR {ps}, "
+              f"SSIM {w['ssim']:.4f}")
+    for m in finetuned:
+        q = rec.methods[m]
+        if q.ssim_vs_base_bf16 is not None:
+            ps = "identical" if q.psnr_vs_base_bf16 is None else f"{q.psnr_vs_base_bf16:.2f} dB"
+            print(f"{m} vs the base model's BF16 clip (4-bit error + drift): PSNR {ps}, "
+                  f"SSIM {q.ssim_vs_base_bf16:.4f}")
+    if rec.comparison_note:
+        print(rec.comparison_note)
+    if rec.error_map:
+        print("attention-error map (self-attention, relative error vs BF16 attention on the same "
+              "inputs):")
+        for m, v in rec.error_map["summary"].items():
+            print(f"{m:>8} mean {v['mean']:.4f}  max {v['max']:.4f}  first step "
+                  f"{v['first_step_mean']:.4f}  last step {v['last_step_mean']:.4f}")
+        print(f"wrote {rec.error_map.get('json')} and {rec.error_map.get('png')}")
     if rec.qat is not None:
         print(f"attnqat: {rec.qat.label}")
     if rec.qat_weights_note:

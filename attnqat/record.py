@@ -20,6 +20,15 @@ from pathlib import Path
 from typing import Any
 
 
+#: The extra clip of an Attn-QAT generation: the fine-tuned weights with BF16 attention, the
+#: reference of Attn-QAT's 4-bit error (:attr:`GenerationRecord.references`).
+WEIGHTS_REFERENCE = "attnqat_bf16"
+#: The one line that says which comparison is which (the app and ``generate`` print it).
+COMPARISON_NOTE = ("PSNR/SSIM vs BF16 is each clip's 4-bit error: against BF16 attention with the "
+                   "same weights (Attn-QAT: its fine-tuned weights in BF16). Fine-tuning drift — "
+                   "the fine-tuned weights in BF16 against the base model in BF16 — is shown apart.")
+
+
 class RecordError(ValueError):
     """A record that cannot be read: the message says which file and what is wrong."""
 
@@ -47,8 +56,18 @@ class Timings:
 class MethodRecord:
     """One method's clip and measurements.
 
-    ``psnr`` (dB) and ``ssim`` compare the clip with the BF16 clip (None for BF16 itself, when BF16
-    was not run, and ``psnr`` also when the clips are identical: ``identical_to_bf16``).
+    ``psnr`` (dB) and ``ssim`` are the **4-bit error**: the clip against BF16 attention with the
+    SAME weights — the base model's BF16 clip for ``nvfp4`` and ``sage3``, the Attn-QAT weights'
+    own BF16 clip for ``attnqat`` (``reference`` names which: ``"bf16"`` or
+    :data:`WEIGHTS_REFERENCE`). None for BF16 itself, when that reference was not run, and ``psnr``
+    also when the clips are identical (``identical_to_bf16``). For ``attnqat``,
+    ``psnr_vs_base_bf16`` / ``ssim_vs_base_bf16`` compare it with the base model's BF16 clip (4-bit
+    error and fine-tuning drift together); the drift alone is :attr:`GenerationRecord.weights_drift`.
+
+    ``dispatch`` is what the attention calls actually ran, as the processor logged it
+    (:meth:`attnqat.wan.AttnQATProcessor.stats`: kind, method, implementation, SDPA backend or
+    kernel, device, dtype, calls, fallback reason); ``fallbacks`` one line per distinct fallback
+    (empty when nothing fell back).
     """
 
     video: str | None = None
@@ -63,6 +82,11 @@ class MethodRecord:
     psnr: float | None = None
     ssim: float | None = None
     identical_to_bf16: bool | None = None
+    dispatch: list[dict[str, Any]] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)
+    reference: str | None = None
+    psnr_vs_base_bf16: float | None = None
+    ssim_vs_base_bf16: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MethodRecord":
@@ -111,6 +135,14 @@ class GenerationRecord:
 
     ``settings`` is :meth:`attnqat.generate.GenerationSettings.record` (every input, defaults filled
     in); ``methods`` maps each method, in display order, to its :class:`MethodRecord`.
+
+    ``references`` holds the extra clips that are references, not methods (the Attn-QAT weights
+    with BF16 attention, :data:`WEIGHTS_REFERENCE`); ``weights_drift`` compares that clip with the
+    base model's BF16 clip (``{"psnr", "ssim", "identical", "compares"}``; None when either was
+    not run); ``comparison_note`` is :data:`COMPARISON_NOTE`; ``error_map`` the summary of the
+    attention-error map and its files (``{"summary", "note", "json", "png"}``, when it was
+    collected: :mod:`attnqat.error_map`). Records without them (older ones) read with empty
+    defaults.
     """
 
     prompt: str
@@ -127,6 +159,10 @@ class GenerationRecord:
     qat: QATRecord | None = None
     qat_weights_note: str | None = None
     side_by_side: str | None = None
+    references: dict[str, MethodRecord] = field(default_factory=dict)
+    weights_drift: dict[str, Any] | None = None
+    comparison_note: str | None = None
+    error_map: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (``record.json``)."""
@@ -166,6 +202,12 @@ class GenerationRecord:
                 raise RecordError(f"{where}: method {method!r} is not an object")
             parsed[str(method)] = MethodRecord.from_dict(entry)
         values = _known(cls, data)
+        refs = data.get("references") if isinstance(data.get("references"), dict) else {}
+        values["references"] = {str(k): MethodRecord.from_dict(v) for k, v in refs.items()
+                                if isinstance(v, dict)}
+        for name in ("weights_drift", "error_map"):
+            if not isinstance(values.get(name), (dict, type(None))):
+                values[name] = None
         values.update(prompt=prompt, methods=parsed, seed=seed,
                       precision=Precision.from_dict(data.get("precision") or {}),
                       qat=QATRecord.from_dict(data["qat"]) if isinstance(data.get("qat"), dict) else None)
@@ -199,4 +241,4 @@ class GenerationRecord:
         return out
 
 
-__all__ = ["GenerationRecord", "MethodRecord", "Precision", "QATRecord", "RecordError", "Timings"]
+__all__ = ["COMPARISON_NOTE", "GenerationRecord", "WEIGHTS_REFERENCE", "MethodRecord", "Precision", "QATRecord", "RecordError", "Timings"]

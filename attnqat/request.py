@@ -36,6 +36,8 @@ class GenerationRequest:
         backend: attention backend (``auto`` | ``torch`` | ``triton``).
         offload: keep models on the CPU, move each to the device while it runs.
         out: folder to write (None: write nothing); overwrite: allow a non-empty ``out``.
+        error_map: also collect each 4-bit method's attention-error map (per layer × step relative
+            error against BF16 attention on the same inputs; :mod:`attnqat.error_map`).
     """
 
     prompt: Any
@@ -58,6 +60,7 @@ class GenerationRequest:
     offload: bool = False
     out: str | Path | None = None
     overwrite: bool = False
+    error_map: bool = False
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

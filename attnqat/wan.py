@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import methods as registry
-from .attention import BACKENDS, attention
+from .attention import BACKENDS, DispatchLog, attention, dispatch_log
 from .convert import load_wan_transformer
 from .family import WAN21_T2V, WAN_NEGATIVE_PROMPT, ModelFamily, by_pipeline_class, families
 from .parallel import ulysses_attention
@@ -132,6 +132,8 @@ class AttnQATProcessor:
         """Forget the call counts and timings gathered so far."""
         self.calls: dict[str, int] = {"self": 0, "cross": 0}
         self.calls_by_method: dict[str, int] = {}
+        # what each call ran, by kind (attnqat.attention.dispatch_log; not kept without timing)
+        self.dispatch = {"self": DispatchLog(), "cross": DispatchLog()}
         self._cpu_seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -156,9 +158,12 @@ class AttnQATProcessor:
 
     def stats(self) -> dict[str, Any]:
         """Counts and time: ``{"calls": {"self", "cross"}, "calls_by_method": {...},
-        "attention_s": float | None}`` (``None`` when timing is off)."""
+        "attention_s": float | None, "dispatch": [...]}`` (``None`` when timing is off;
+        ``dispatch``: :meth:`attnqat.attention.DispatchLog.entries`, each with its ``kind``)."""
         return {"calls": dict(self.calls), "calls_by_method": dict(self.calls_by_method),
-                "attention_s": self.attention_seconds() if self.timing else None}
+                "attention_s": self.attention_seconds() if self.timing else None,
+                "dispatch": [{"kind": kind, **e} for kind, log in self.dispatch.items()
+                             for e in log.entries()]}
 
     # -- the processor ------------------------------------------------------------------------
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str) -> torch.Tensor:
@@ -171,14 +176,16 @@ class AttnQATProcessor:
         elif q.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            out = self._call(q, k, v, method)
+            with dispatch_log(self.dispatch[kind]):
+                out = self._call(q, k, v, method)
             end.record()
             self._events.append((start, end))
             if len(self._events) >= _MAX_PENDING_EVENTS:  # long runs (training): bounded memory
                 self._fold_events()
         else:
             t0 = time.perf_counter()
-            out = self._call(q, k, v, method)
+            with dispatch_log(self.dispatch[kind]):
+                out = self._call(q, k, v, method)
             self._cpu_seconds += time.perf_counter() - t0
         if self.observer is not None:
             self.observer(q, k, v, out, kind)

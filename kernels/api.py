@@ -26,10 +26,10 @@ from .attention_fwd import P_NVFP4, attention_forward
 from .formats import KV_TILE
 from .gluon_fwd import check_schedule, choose_schedule
 from .quantize import INTERPRET, fake_quantize_nvfp4, quantize_nvfp4
-from .sagebwd import sagebwd_attention, sagebwd_unsupported  # noqa: F401  (entry points of the package)
+from .sagebwd import sagebwd_attention, sagebwd_unsupported
 
 __all__ = ["triton_unsupported", "triton_attention", "quantize_nvfp4", "fake_quantize_nvfp4",
-           "METHODS", "TRAINABLE", "HEAD_DIMS", "DTYPES"]
+           "METHODS", "TRAINABLE", "HEAD_DIMS", "DTYPES", "sagebwd_attention", "sagebwd_unsupported"]
 
 #: the methods these kernels implement (their names in :mod:`attnqat.methods`), and those of them
 #: with a backward

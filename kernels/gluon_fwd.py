@@ -67,6 +67,7 @@ import triton.language as tl
 
 from .attention_fwd import KV_TILE, P_NVFP4, P_SAGE3, quantize_p_blocks, quantize_p_rows
 from .quantize import INTERPRET
+from .receipt import note
 
 try:  # Gluon is experimental: absent from older Triton builds
     from triton.experimental import gluon
@@ -529,13 +530,13 @@ def choose_schedule(qf, kf, vf, schedule: str | None, config) -> str:
     instead of silently running the other kernel."""
     check_schedule(schedule)
     if schedule == "triton" or (schedule is None and (config is not None or INTERPRET.value)):
-        return "triton"
+        return note("triton")
     why = gluon_unsupported(qf, kf, vf)
     if why is None:
-        return "gluon"
+        return note("gluon")
     if schedule == "gluon":
         raise ValueError(f"the Gluon forward cannot run these inputs: {why}")
-    return "triton"
+    return note("triton")
 
 
 def gluon_attention_forward(q, k, v, *, sm_scale: float, p_mode: int = P_NVFP4, bias=None,

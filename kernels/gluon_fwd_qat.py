@@ -37,6 +37,7 @@ from __future__ import annotations
 import triton
 
 from .attention_fwd import P_NVFP4
+from .receipt import note
 from .gluon_fwd import (
     _BM,
     _BN,
@@ -200,7 +201,7 @@ def choose_qat_schedule(qf, kf, vf, schedule: str | None, config) -> str:
     ``"gluon"`` that cannot run raises ValueError."""
     check_schedule(schedule)
     if schedule is None and qf.shape[-1] not in AUTO_HEAD_DIMS:
-        return "triton"
+        return note("triton")
     return choose_schedule(qf, kf, vf, schedule, config)
 
 

@@ -369,3 +369,84 @@ def test_failure_inside_generation_then_the_next_request_works(local):
                                     resolution="32x32", api_name="/generate")
     assert set(record["methods"]) == {"bf16", "nvfp4"}
     check_clip(clips[1], 5, 32, 32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Round 3 (#34): the 4-bit error against the same weights, seed sweeps, the API page's types
+# ----------------------------------------------------------------------------------------------
+
+def test_attnqat_error_is_against_its_own_weights_and_drift_is_apart(server):
+    """Defect 4: Attn-QAT's PSNR/SSIM compare it with its own (fine-tuned) weights in BF16; the
+    fine-tuning drift from the base BF16 clip is recorded apart, with a line saying which is
+    which."""
+    c = client(server)
+    record, clips, _, _ = generate(c, "a red circle moves left", ["bf16", "nvfp4", "attnqat"],
+                                   resolution="32x32")
+    nv, qat = record["methods"]["nvfp4"], record["methods"]["attnqat"]
+    assert nv["reference"] == "bf16"
+    assert qat["reference"] == "attnqat_bf16"  # the same weights with BF16 attention
+    ref = record["references"]["attnqat_bf16"]
+    assert ref["transformer"] == "attnqat" and ref["attention_method"] == "bf16"
+    assert ref["timings"]["denoising_s"] > 0 and ref["attention_calls"]["self"] > 0
+    drift = record["weights_drift"]
+    assert drift is not None and drift["ssim"] is not None and "drift" in drift["compares"]
+    # the shipped weights are fine-tuned: they drift from the base, so the two comparisons differ
+    assert not drift["identical"] and drift["psnr"] is not None
+    assert qat["ssim_vs_base_bf16"] is not None and qat["ssim_vs_base_bf16"] != qat["ssim"]
+    assert "4-bit error" in record["comparison_note"] and "drift" in record["comparison_note"]
+    # what ran, per method (#34 feature 7): the receipts
+    kinds = {(d["kind"], d["method"], d["implementation"]) for d in qat["dispatch"]}
+    assert ("self", "nvfp4", "reference") in kinds and ("cross", "bf16", "sdpa") in kinds
+    assert qat["fallbacks"] == []
+    # older records (no new fields) still read, and this one reads back whole
+    from attnqat.record import GenerationRecord
+
+    assert GenerationRecord.from_dict(record).to_dict() == record
+    old = {k: v for k, v in record.items() if k not in ("references", "weights_drift",
+                                                        "comparison_note", "error_map")}
+    assert GenerationRecord.from_dict(old).weights_drift is None
+
+
+def test_a_seed_sweep_through_the_api(server):
+    """Feature 9: one prompt × N seeds, every method; per-method PSNR/SSIM vs BF16 and the tiny
+    model's procedural score, with mean and spread, and a plot."""
+    c = client(server)
+    summary, plot = c.predict(prompt="a red circle moves left on a blue background",
+                              methods=["bf16", "nvfp4"], seeds="3-4", steps=1, guidance=1.0,
+                              shift=3.0, resolution="32x32", frames=5, negative_prompt="",
+                              fp4_scope="self", api_name="/sweep")
+    assert summary["seeds"] == [3, 4] and summary["methods"] == ["bf16", "nvfp4"]
+    assert len(summary["rows"]) == 4
+    nv = summary["summary"]["nvfp4"]
+    psnrs = [r["psnr"] for r in summary["rows"] if r["method"] == "nvfp4"]
+    finite = [p for p in psnrs if p is not None]
+    assert nv["psnr"]["n"] == len(finite)
+    if finite:
+        assert nv["psnr"]["mean"] == pytest.approx(sum(finite) / len(finite))
+    assert nv["ssim"]["n"] == 2 and nv["ssim"]["std"] is not None
+    assert summary["score_name"] and "procedural" in summary["score_name"]
+    for m in ("bf16", "nvfp4"):
+        assert summary["summary"][m]["score"]["n"] == 2
+        assert 0.0 <= summary["summary"][m]["score"]["mean"] <= 1.0
+    assert summary["summary"]["bf16"]["psnr"]["n"] == 0  # the reference has no error against itself
+    assert Path(plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from gradio_client.exceptions import AppError, ValidationError
+
+    with pytest.raises((AppError, ValidationError)) as info:
+        c.predict(prompt="a red circle", methods=["bf16"], seeds="5", steps=1, guidance=1.0,
+                  shift=3.0, resolution="32x32", frames=5, negative_prompt="", fp4_scope="self",
+                  api_name="/sweep")
+    assert "seeds" in str(info.value) and "2 to" in str(info.value)
+
+
+def test_the_api_page_types_integers_and_shows_a_prompt_the_model_can_draw(server):
+    """Defect 6: seed, steps and frames are integers on the API page; its example prompt is one of
+    the model's, not gradio's "Hello!!"."""
+    info = client(server).view_api(return_format="dict", print_info=False)
+    params = {p["parameter_name"]: p for p in info["named_endpoints"]["/generate"]["parameters"]}
+    for name in ("seed", "steps", "frames"):
+        assert params[name]["type"]["type"] == "integer", params[name]
+    assert params["guidance"]["type"]["type"] == "number"
+    example = params["prompt"]["example_input"]
+    assert example != "Hello!!" and " background" in example
+    assert "/sweep" in info["named_endpoints"]

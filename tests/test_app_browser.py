@@ -146,7 +146,12 @@ def test_page_generates_plays_in_sync_blind_mode_and_stays_local(app, tmp_path):
             page.wait_for_selector("#aq-generate")
             # The page says what the loaded weights are and which precision runs.
             header = page.inner_text("#aq-header")
-            assert service.info.weights_note in header
+            # (#34: the note is shown for people — dates, thousands separators — its first
+            # clause in the box and the counts in a fold)
+            from attnqat.app.player import humanize_note, note_parts
+
+            what = note_parts(humanize_note(f"Model: {service.info.weights_note}"))[1]
+            assert what in header and "About these weights" in header
             assert f"Precision: {str(service.models.dtype).removeprefix('torch.')}" in header
             assert "Attn-QAT fine-tuned" in page.inner_text("#aq-methods")
 

@@ -273,6 +273,43 @@ def test_progress_follows_the_step_events_with_an_estimate_of_the_time_left():
     assert "done in 3.00 s" in html
 
 
+def test_the_estimate_costs_4bit_steps_by_their_own_timing_not_bf16s():
+    """#34 defect 6: a 4-bit method still to run is costed by 4-bit timings (measured in this
+    generation, else the ratio the app measured before), and flagged as a guess without either."""
+    from attnqat.record import Timings
+
+    def run(cost_ratio):
+        p = svc.Progress(["bf16", "nvfp4", "sage3"], steps=4, cost_ratio=cost_ratio)
+
+        def ev(phase, method, step, timings=None):
+            p.on_step(StepEvent(phase, method, step, 4, ("bf16", "nvfp4", "sage3"), 0.0, timings))
+
+        ev("text", None, 0)
+        ev("denoising", "bf16", 0)
+        ev("done", "bf16", 4, Timings(denoising_s=4.0, decoding_s=1.0, total_s=5.0))
+        ev("denoising", "nvfp4", 0)
+        return p, ev
+
+    p, ev = run({"bf16": 1.0, "nvfp4": 3.0, "sage3": 4.0})
+    snap = p.snapshot()  # BF16 ran at 1 s/step; NVFP4 ~3 s, SageAttention3 ~4 s from before
+    assert snap["eta_s"] == pytest.approx(4 * 3.0 + 1.0 + 4 * 4.0 + 1.0) and not snap["eta_rough"]
+    assert "a guess" not in player.render_progress(snap, p.describe())
+    p, ev = run(None)  # nothing known about 4-bit steps yet: a guess, and said to be one
+    snap = p.snapshot()
+    assert snap["eta_rough"]
+    ev("done", "nvfp4", 4, Timings(denoising_s=12.0, decoding_s=1.0, total_s=13.0))
+    ev("denoising", "sage3", 0)
+    snap = p.snapshot()  # SageAttention3 has no timing of its own yet: NVFP4's is closer, not BF16's
+    assert snap["eta_rough"] and snap["eta_s"] == pytest.approx(4 * 3.0 + 1.0)
+
+
+def test_unknown_words_and_file_name_slugs():
+    assert svc.unknown_words("A red fox, trots LEFT", {"a", "red", "left"}) == ["fox", "trots"]
+    assert svc.slug("A red circle: moves LEFT!") == "a-red-circle-moves-left"
+    long = svc.slug("word " * 30)
+    assert len(long) <= 60 and not long.endswith("-") and long.endswith("word")
+
+
 # ----------------------------------------------------------------------------------------------
 # HTML
 # ----------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ point, ``generate``, the app's service layer and the trainer, with no other modu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -72,6 +73,32 @@ def test_a_registered_method_runs_through_attention(dummy):
     assert torch.allclose(out, ref, atol=1e-6) and CALLS
     with pytest.raises(RuntimeError, match="cannot run method 'halfv'"):
         attention(q, k, v, method="halfv", backend="triton")   # no kernel: refused, never substituted
+
+
+def test_a_registered_method_gets_a_receipt_of_what_ran(dummy):
+    """The dispatch log (#34's receipts) records what the registry dispatch chose: the method's
+    reference, and its kernel with what the kernel noted it ran."""
+    import importlib
+
+    from attnqat.kernels import receipt
+
+    att = importlib.import_module("attnqat.attention")
+    q, k, v = (torch.randn(1, 8, 2, 16) for _ in range(3))
+    with att.dispatch_log() as log:
+        attention(q, k, v, method="halfv")
+    assert [(e["method"], e["implementation"], e["calls"]) for e in log.entries()] == [("halfv", "reference", 1)]
+
+    def run(q, k, v, scale):
+        receipt.note("gluon")
+        return _dummy_reference(q, k, v, scale)
+
+    registry.register(dataclasses.replace(dummy, kernel=registry.Kernel(
+        "halfv", run=run, unsupported=lambda q, k, v: None)), replace=True)
+    with att.dispatch_log() as log:
+        out = attention(q, k, v, method="halfv", backend="triton")
+    assert torch.equal(out, _dummy_reference(q, k, v, 16 ** -0.5))
+    assert [(e["method"], e["implementation"], e["backend"]) for e in log.entries()] == [
+        ("halfv", "gluon", "triton")]
 
 
 def test_a_registered_method_reaches_generate(dummy, tmp_path):

@@ -7,17 +7,31 @@
 // the same clock.
 // State for tests and styling: data-state (loading | playing | paused | error), data-loops,
 // data-frame (the frame shown after stepping or scrubbing, 0-based).
+// Gradio updates the component by patching the old DOM in place (same elements, new attributes), so
+// a new result, Blind on/off or Reveal keep the old elements and their listeners: every setup first
+// aborts the listeners and timers of the previous one (one AbortController per setup), runs once
+// per rendering (data-render changes with each), and sets the comparison menus and videos from the
+// HTML, never from what a patched <select> still holds.
 (function () {
   function setup() {
     var root = element.querySelector('.aq-player');
-    if (!root || root.dataset.ready) return;
+    if (!root) { if (element.__aqAbort) { element.__aqAbort.abort(); element.__aqAbort = null; } return; }
+    var key = root.dataset.render || '';
+    if (element.__aqKey === key && element.__aqAbort) return;
+    if (element.__aqAbort) element.__aqAbort.abort();
+    var ctl = new AbortController(), sig = {signal: ctl.signal};
+    element.__aqAbort = ctl;
+    element.__aqKey = key;
     root.dataset.ready = '1';
+    delete root.dataset.frame;
+    delete root.dataset.loops;
     var mains = Array.prototype.slice.call(root.querySelectorAll('video.aq-main'));
     if (!mains.length) return;
     var cmpA = root.querySelector('.aq-cmp-a'), cmpB = root.querySelector('.aq-cmp-b');
     var vids = mains.concat([cmpA, cmpB].filter(Boolean));
     var fps = Number(root.dataset.fps) || 16, frames = Number(root.dataset.frames) || 1;
     var paused = false, started = false, loops = 0, pending = null;
+    ctl.signal.addEventListener('abort', function () { if (pending) clearTimeout(pending); });
     var toggle = root.querySelector('.aq-toggle');
     var restartBtn = root.querySelector('.aq-restart');
     var scrub = root.querySelector('.aq-scrub'), frameLabel = root.querySelector('.aq-frame');
@@ -67,23 +81,23 @@
     }
     vids.forEach(function (v) {
       v.muted = true;
-      v.addEventListener('canplay', maybeStart);
-      v.addEventListener('canplaythrough', maybeStart);
-      v.addEventListener('loadeddata', maybeStart);
+      v.addEventListener('canplay', maybeStart, sig);
+      v.addEventListener('canplaythrough', maybeStart, sig);
+      v.addEventListener('loadeddata', maybeStart, sig);
       v.addEventListener('ended', function () {
         if (paused) return;
         if (vids.every(function (x) { return x.ended; })) { restart(true); return; }
         if (!pending) pending = setTimeout(function () { pending = null; restart(true); }, 250);
-      });
+      }, sig);
       v.addEventListener('error', function () {
         setState('error');
         var msg = root.querySelector('.aq-player-msg');
         if (msg) msg.textContent = 'A clip could not be loaded: the server keeps only the most ' +
           'recent results. Generate again to see it.';
-      });
+      }, sig);
     });
     mains.forEach(function (v) {
-      v.addEventListener('click', function () { if (toggle) toggle.click(); });
+      v.addEventListener('click', function () { if (toggle) toggle.click(); }, sig);
     });
     master.addEventListener('timeupdate', function () {
       if (paused || pending) return;
@@ -92,19 +106,19 @@
       vids.slice(1).forEach(function (v) {
         if (!v.ended && Math.abs(v.currentTime - t) > 0.15) v.currentTime = t;
       });
-    });
+    }, sig);
     if (toggle) toggle.addEventListener('click', function () {
       if (paused) { paused = false; delete root.dataset.frame; playAll(); setState('playing'); }
       else pauseAll();
-    });
-    if (restartBtn) restartBtn.addEventListener('click', function () { restart(false); });
+    }, sig);
+    if (restartBtn) restartBtn.addEventListener('click', function () { restart(false); }, sig);
     var prev = root.querySelector('.aq-prev'), next = root.querySelector('.aq-next');
     function current() {
       return root.dataset.frame !== undefined ? Number(root.dataset.frame) : frameOf(master.currentTime);
     }
-    if (prev) prev.addEventListener('click', function () { setFrame(current() - 1); });
-    if (next) next.addEventListener('click', function () { setFrame(current() + 1); });
-    if (scrub) scrub.addEventListener('input', function () { setFrame(Number(scrub.value)); });
+    if (prev) prev.addEventListener('click', function () { setFrame(current() - 1); }, sig);
+    if (next) next.addEventListener('click', function () { setFrame(current() + 1); }, sig);
+    if (scrub) scrub.addEventListener('input', function () { setFrame(Number(scrub.value)); }, sig);
 
     // The comparison view.
     var stage = root.querySelector('.aq-stage');
@@ -113,16 +127,20 @@
       var left = root.querySelector('.aq-cmp-left'), right = root.querySelector('.aq-cmp-right');
       var split = root.querySelector('.aq-split'), zoom = root.querySelector('.aq-zoom');
       var line = root.querySelector('.aq-split-line');
+      // the menus say what the HTML draws: left = clip 0, right = data-right
+      if (left) left.value = '0';
       if (right) right.value = stage.dataset.right || '0';
+      if (srcs[0] && cmpA.getAttribute('src') !== srcs[0]) cmpA.setAttribute('src', srcs[0]);
+      var r0 = srcs[Number(stage.dataset.right || 0)];
+      if (r0 && cmpB.getAttribute('src') !== r0) cmpB.setAttribute('src', r0);
       function choose(video, index) {
         var src = srcs[Number(index)];
         if (!src || video.getAttribute('src') === src) return;
         video.setAttribute('src', src);
         video.addEventListener('loadeddata', function once() {
-          video.removeEventListener('loadeddata', once);
           video.currentTime = master.currentTime;
           if (!paused) { var p = video.play(); if (p && p.catch) p.catch(function () {}); }
-        });
+        }, {signal: ctl.signal, once: true});
       }
       function applySplit() {
         var x = Number(split ? split.value : 50);
@@ -135,15 +153,15 @@
         [cmpA, cmpB].forEach(function (v) { v.style.transform = 'scale(' + z + ')'; });
         stage.dataset.zoom = String(z);
       }
-      if (left) left.addEventListener('change', function () { choose(cmpA, left.value); });
-      if (right) right.addEventListener('change', function () { choose(cmpB, right.value); });
-      if (split) split.addEventListener('input', applySplit);
-      if (zoom) zoom.addEventListener('change', applyZoom);
+      if (left) left.addEventListener('change', function () { choose(cmpA, left.value); }, sig);
+      if (right) right.addEventListener('change', function () { choose(cmpB, right.value); }, sig);
+      if (split) split.addEventListener('input', applySplit, sig);
+      if (zoom) zoom.addEventListener('change', applyZoom, sig);
       stage.addEventListener('mousemove', function (e) {
         var r = stage.getBoundingClientRect();
         var origin = ((e.clientX - r.left) / r.width * 100) + '% ' + ((e.clientY - r.top) / r.height * 100) + '%';
         [cmpA, cmpB].forEach(function (v) { v.style.transformOrigin = origin; });
-      });
+      }, sig);
       applySplit();
       applyZoom();
     }
