@@ -124,7 +124,7 @@ def test_attnqat_without_qat_weights_is_unavailable_with_the_reason(models, tmp_
     s = svc.AppService(no_qat, output_dir=tmp_path / "o")
     why = s.availability()["attnqat"]
     assert why is not None and "--qat-transformer" in why
-    assert s.available_methods() == ["bf16", "nvfp4", "sage3"]
+    assert s.available_methods() == ["bf16", "nvfp4", "sage3", "sagebwd"]
     with pytest.raises(InvalidInput) as info:
         s.check("x", ["bf16", "attnqat"], **SMALL)
     assert "Attn-QAT cannot run" in info.value.errors["methods"]
@@ -142,10 +142,10 @@ def test_page_shows_an_unavailable_method_with_its_reason(models, tmp_path):
     (group,) = [b for b in demo.blocks.values()
                 if isinstance(b, gr.CheckboxGroup) and b.elem_id == "aq-methods"]
     labels = dict((v, label) for label, v in group.choices)
-    assert list(labels) == ["bf16", "nvfp4", "sage3", "attnqat"]  # still listed
+    assert list(labels) == ["bf16", "nvfp4", "sage3", "attnqat", "sagebwd"]  # still listed
     assert "unavailable" in labels["attnqat"] and "unavailable" not in labels["bf16"]
     assert "Attn-QAT cannot run here" in group.info and "--qat-transformer" in group.info
-    assert group.value == ["bf16", "nvfp4", "sage3"]
+    assert group.value == ["bf16", "nvfp4", "sage3", "sagebwd"]
     # the page states which precision runs and what the BF16 method means in it
     header = next(b for b in demo.blocks.values() if getattr(b, "elem_id", None) == "aq-header")
     assert f"Precision: {str(models.dtype).removeprefix('torch.')}" in header.value

@@ -24,7 +24,7 @@ def models():
     return wan.load_models(qat_transformer="auto", device="cpu")
 
 
-def test_cli_all_four_methods_end_to_end(tmp_path, capsys):
+def test_cli_every_method_end_to_end(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["generate", "--prompt", PROMPT, "--negative-prompt", "blurry", "--height", "32",
                "--width", "48", "--frames", "5", "--steps", "2", "--fps", "8", "--seed", "7",
@@ -34,10 +34,11 @@ def test_cli_all_four_methods_end_to_end(tmp_path, capsys):
     assert "Attn-QAT fine-tuned" in printed and "docs/repro.md" in printed  # which weights ran
     assert f"wrote {out}" in printed
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["attnqat.mp4", "bf16.mp4", "nvfp4.mp4", "record.json", "sage3.mp4", "side_by_side.mp4"]
+    assert names == ["attnqat.mp4", "bf16.mp4", "nvfp4.mp4", "record.json", "sage3.mp4", "sagebwd.mp4",
+                     "side_by_side.mp4"]
     rec = json.loads((out / "record.json").read_text())
     assert rec["prompt"] == PROMPT and rec["negative_prompt"] == "blurry" and rec["seed"] == 7
-    assert rec["settings"]["methods"] == ["bf16", "nvfp4", "sage3", "attnqat"]
+    assert rec["settings"]["methods"] == ["bf16", "nvfp4", "sage3", "attnqat", "sagebwd"]
     assert rec["settings"]["fp4_scope"] == "self"
     assert rec["side_by_side"] == "side_by_side.mp4"
     assert rec["versions"]["torch"] == torch.__version__
@@ -64,7 +65,7 @@ def test_cli_all_four_methods_end_to_end(tmp_path, capsys):
     assert rec["methods"]["attnqat"]["transformer"] == "attnqat"
     assert rec["methods"]["attnqat"]["attention_method"] == "nvfp4"
     sbs = video.probe_mp4(out / "side_by_side.mp4")
-    assert sbs["frames"] == 5 and sbs["width"] == 4 * 48 + 3 * video.GAP and sbs["height"] > 32
+    assert sbs["frames"] == 5 and sbs["width"] == 5 * 48 + 4 * video.GAP and sbs["height"] > 32
 
 
 def test_same_noise_same_embeddings_and_text_encoded_once(models, monkeypatch):
@@ -82,15 +83,15 @@ def test_same_noise_same_embeddings_and_text_encoded_once(models, monkeypatch):
         res = gen.generate(PROMPT, models=models, progress=False, **SMALL)
     finally:
         hook.remove()
-    assert len(calls) == 2  # prompt and negative prompt, once for all four methods
-    # four methods, plus the Attn-QAT weights with BF16 attention: the reference of Attn-QAT's
+    assert len(calls) == 2  # prompt and negative prompt, once for all five methods
+    # five methods, plus the Attn-QAT weights with BF16 attention: the reference of Attn-QAT's
     # 4-bit error (#34), from the same noise and embeddings too
-    assert len(seen) == 4 + 1
+    assert len(seen) == 5 + 1
     for lat, pe, ne in seen[1:]:
         assert torch.equal(lat, seen[0][0]) and torch.equal(pe, seen[0][1]) and torch.equal(ne, seen[0][2])
     assert torch.equal(res.initial_latents, seen[0][0])
     v = res.videos
-    assert set(v) == {"bf16", "nvfp4", "sage3", "attnqat"}
+    assert set(v) == {"bf16", "nvfp4", "sage3", "attnqat", "sagebwd"}
     assert not np.array_equal(v["bf16"], v["nvfp4"])
     # the same attention on other (the Attn-QAT fine-tuned) weights
     assert res.record.methods["attnqat"].attention_method == "nvfp4"
