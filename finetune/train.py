@@ -815,7 +815,6 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
             if not k.startswith("_")}
     trainer = Trainer(cfg, transformer, ctx, empty)
     gb = cfg.global_batch(ctx.data_world)
-    say(mesh.describe(ctx, cfg.batch_size, cfg.grad_accum))
     step, samples = 0, 0
     if resume_from is not None:
         state = ckpt.load(resume_from, trainer.model, trainer.optimizer, trainer.ema, ctx)
@@ -861,6 +860,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         + (f", ablation {cfg.ablation}" if cfg.ablation else "") + f") on {ctx.world} × "
         f"{device_name(ctx.device)}, {trainer.precision}; data {source.description}; global batch "
         f"{gb}; steps {step}..{cfg.steps}")
+    say(mesh.describe(ctx, cfg.batch_size, cfg.grad_accum))   # how the global batch is made
     stop = _Stop()
     t_start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", file=sys.stderr,

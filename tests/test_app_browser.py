@@ -187,7 +187,7 @@ def test_page_generates_plays_in_sync_blind_mode_and_stays_local(app, tmp_path):
             service.fault = None
 
             # The next request: two methods, the largest seed exactly as typed.
-            for name in ("SageAttention3", "Attn-QAT"):
+            for name in ("SageAttention3", "Attn-QAT", "SageBwd (INT8)"):
                 page.locator(f"#aq-methods label:has-text('{name}') input").uncheck()
             page.click("#aq-generate")
             _wait_status(page, "Generated 2 clips")
@@ -307,7 +307,7 @@ def test_a_waiting_request_shows_its_queue_position_and_stop_cancels(app):
             first.click("#aq-stop")
             _wait_status(first, "Stopped")
             # the waiting one starts and finishes; the stopped one left no result
-            _wait_status(second, "Generated 4 clips")
+            _wait_status(second, "Generated 5 clips")  # every method the registry offers
             assert first.locator(".aq-player video").count() == 0
         finally:
             browser.close()

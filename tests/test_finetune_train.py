@@ -360,7 +360,8 @@ def test_weights_trained_without_attnqat_are_never_labelled_attnqat(model, tmp_p
                    models=m, progress=False, out=tmp_path / "gen")
     finally:
         G.vid.side_by_side = real
-    assert bands == ["bf16", wan.QAT_LABEL_NOT_ATTNQAT["dropin-finetuned"]]
+    # the page's names (#34): BF16 by its label, the Attn-QAT slot by what its weights are
+    assert bands == ["BF16", wan.QAT_LABEL_NOT_ATTNQAT["dropin-finetuned"]]
 
 
 def test_validation_uses_the_negative_prompt_generate_uses(model, tmp_path, monkeypatch):
