@@ -255,12 +255,16 @@ def test_a_seed_sweep_from_the_page(app, browser):
         if (name in ("BF16", "NVFP4")) != box.locator("input").is_checked():
             box.locator("input").click()
     page.click("#aq-sweep-box .label-wrap")
+    # the accordion's inputs may still be mounting, and the page may re-render them after the method
+    # changes above, as they are filled: type until the value stands, then wait for it before Run
     for elem, value in (("#aq-sweep-n", "2"), ("#aq-sweep-first", "5")):
         box = f"{elem} input, {elem} textarea"
-        page.fill(box, value)
-        page.press(box, "Tab")
-    # the accordion's inputs may still be mounting as they are filled: the typed values must
-    # stand (and reach the page's state) before Run
+        for _ in range(10):
+            page.fill(box, value)
+            page.press(box, "Tab")
+            page.wait_for_timeout(300)
+            if page.locator(box).first.input_value() == value:
+                break
     for elem, value in (("#aq-sweep-n", "2"), ("#aq-sweep-first", "5")):
         page.wait_for_function("([e, v]) => document.querySelector(`${e} input, ${e} textarea`).value === v",
                                arg=[elem, value])
