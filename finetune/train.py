@@ -859,8 +859,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         + f"({cfg.attention} attention, scope {cfg.scope}"
         + (f", ablation {cfg.ablation}" if cfg.ablation else "") + f") on {ctx.world} × "
         f"{device_name(ctx.device)}, {trainer.precision}; data {source.description}; global batch "
-        f"{gb}; steps {step}..{cfg.steps}")
-    say(mesh.describe(ctx, cfg.batch_size, cfg.grad_accum))   # how the global batch is made
+        f"{gb}; steps {step}..{cfg.steps}; " + mesh.describe(ctx, cfg.batch_size, cfg.grad_accum))
     stop = _Stop()
     t_start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", file=sys.stderr,
