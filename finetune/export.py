@@ -106,17 +106,17 @@ def training_record(cfg: dict, state: dict, weights: str, folder: Path) -> dict:
             "lora_rank": cfg.get("lora_rank") or None, "lora_alpha": cfg.get("lora_alpha")}
 
 
-def _write_adapter(model, cfg: dict, training: dict, out: Path) -> Path:
-    """The adapter as diffusers' LoRA file plus an attnqat.json record, written atomically."""
-    from attnqat.lora import save_lora
+def _write_folder(out: Path, kind: str, save, cfg: dict, training: dict) -> Path:
+    """``save(tmp)`` plus the folder's attnqat.json (sha256 of what ``save`` wrote), written atomically:
+    a temporary folder beside ``out`` that replaces it whole, removed on any failure."""
     from attnqat.tiny import _chmod_files, _chmod_like_mkdir
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        save_lora(model, tmp)
+        save(tmp)
         sidecar.write(tmp, sidecar.Sidecar(
-            kind="attnqat-lora", weights=registry.get(cfg["attention"]).finetuned_weights,
+            kind=kind, weights=registry.get(cfg["attention"]).finetuned_weights,
             qat_weights_note=note(training), training=training, exported=now(),
             weights_sha256=sidecar.weights_sha256(tmp)))
         _chmod_like_mkdir(tmp)
@@ -130,6 +130,13 @@ def _write_adapter(model, cfg: dict, training: dict, out: Path) -> Path:
     return out
 
 
+def _write_adapter(model, cfg: dict, training: dict, out: Path) -> Path:
+    """The adapter as diffusers' LoRA file plus an attnqat.json record, written atomically."""
+    from attnqat.lora import save_lora
+
+    return _write_folder(out, "attnqat-lora", lambda tmp: save_lora(model, tmp), cfg, training)
+
+
 def export(run: str | Path, out: str | Path, *, weights: str = "auto",
            dtype: torch.dtype = torch.bfloat16, merge: bool = False) -> Path:
     """Write the transformer folder (module docstring) — for a LoRA run the adapter, or with
@@ -138,7 +145,6 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
     from diffusers import WanTransformer3DModel
 
     from attnqat.convert import param_dtype
-    from attnqat.tiny import _chmod_files, _chmod_like_mkdir
 
     folder = ckpt.resolve(run, run)
     state = ckpt.read_state(folder)
@@ -166,25 +172,9 @@ def export(run: str | Path, out: str | Path, *, weights: str = "auto",
         ckpt.load_full_state(folder, full, key=key)
     ready = {k: t.to(param_dtype(model, k, dtype)) for k, t in full.items()}
     model.load_state_dict(ready, strict=False, assign=True)
-    out = Path(out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        training = training_record(cfg, state, weights, folder)
-        sidecar.write(tmp, sidecar.Sidecar(
-            kind="attnqat-transformer", weights=registry.get(cfg["attention"]).finetuned_weights,
-            qat_weights_note=note(training), training=training, exported=now(),
-            weights_sha256=sidecar.weights_sha256(tmp)))
-        _chmod_like_mkdir(tmp)
-        _chmod_files(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return _write_folder(Path(out).resolve(), "attnqat-transformer",
+                         lambda tmp: model.save_pretrained(tmp, safe_serialization=True), cfg,
+                         training_record(cfg, state, weights, folder))
 
 
 def run(args: argparse.Namespace) -> int:
