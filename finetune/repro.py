@@ -66,7 +66,7 @@ from .attn_probe import CAPTURE_STEPS, attention_errors
 from .export import export, note
 from .heldout import PROJECT_ROOT, PROTOCOL, PromptRangeError, check_prompt_range
 from .plot import plot_runs
-from .runlog import device_name, now, read_log
+from .runlog import device_name, now, read_log, read_record_text, record_file
 
 STAGES = ("train", "eval", "probe", "report", "ship")
 #: run name → (student attention, ablation, label)
@@ -368,14 +368,14 @@ def stage_eval(args, runs: list[str], configs: list[str]) -> int:
 
     folder = args.work / "eval"
     folder.mkdir(parents=True, exist_ok=True)
-    todo = [it for it in eval_items(args, runs, configs) if not (folder / f"{it[3]}.json").is_file()]
+    todo = [it for it in eval_items(args, runs, configs) if record_file(folder / f"{it[3]}.json") is None]
     missing = [it[3] for it in todo if it[2] != "base"
                and not (args.work / "export" / it[2] / "attnqat.json").is_file()]
     if missing:
         log(f"no exported weights for {', '.join(missing)} (run the train stage first); skipped")
         todo = [it for it in todo if it[3] not in missing]
     asked = {"height": args.size, "width": args.size, "frames": args.frames}
-    done = {f: json.loads(f.read_text())["settings"] for f in sorted(folder.glob("*.json"))}
+    done = {f: json.loads(read_record_text(f))["settings"] for f in _eval_files(folder)}
     if (bad := _other_clip_size(done, asked)) is not None:
         return bad
     if not todo:
@@ -627,12 +627,17 @@ def _stability(recs: list[dict], clip: float) -> dict:
             "clipped": int((g > clip).sum()), "nonfinite": not bool(np.isfinite(loss).all())}
 
 
+def _eval_files(folder: Path) -> list[Path]:
+    """A folder's evaluation records, plain (``NAME.json``) or gzipped (``NAME.json.gz``)."""
+    return sorted([*folder.glob("*.json"), *folder.glob("*.json.gz")]) if folder.is_dir() else []
+
+
 def load_evals(work: Path) -> dict[str, list[dict]]:
     """Every evaluation record of ``WORK/eval``, by configuration (in :data:`CONFIGS` order), a
     configuration's records sorted by training seed (one record: no seeds, or the base)."""
     by: dict[str, list[dict]] = {}
-    for f in sorted((work / "eval").glob("*.json")) if (work / "eval").is_dir() else []:
-        rec = json.loads(f.read_text())
+    for f in _eval_files(work / "eval"):
+        rec = json.loads(read_record_text(f))
         if rec.get("config") in CONFIGS:
             by.setdefault(rec["config"], []).append(rec)
     return {c: sorted(by[c], key=lambda r: -1 if r.get("seed") is None else r["seed"])
@@ -703,7 +708,7 @@ def stage_report(args, runs: list[str], command: str) -> int:
     figs = args.figures or args.doc.parent
     figs.mkdir(parents=True, exist_ok=True)
     run_dirs = {k: (r, s, args.work / "runs" / k) for r, s, k in units(args, runs)
-                if (args.work / "runs" / k / "log.jsonl").is_file()}
+                if record_file(args.work / "runs" / k / "log.jsonl")}
     e0 = ev["base-bf16"][0]
     s = e0["settings"]
     n = len(e0["clips"])

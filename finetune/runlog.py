@@ -11,6 +11,7 @@ Only rank 0 of a distributed run should hold a ``RunLog``; the trainers pass ``N
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import os
@@ -121,18 +122,36 @@ class RunLog:
             self._tb = None
 
 
+def record_file(path: str | Path) -> Path | None:
+    """``path``, or its gzipped twin ``path.gz`` (how docs/repro keeps its records small enough
+    to travel with the tree), or None when neither is a file."""
+    p = Path(path)
+    for q in (p, p.with_name(p.name + ".gz")):
+        if q.is_file():
+            return q
+    return None
+
+
+def read_record_text(path: str | Path) -> str:
+    """The text of a record file or of its ``.gz`` twin (:func:`record_file`)."""
+    q = record_file(path)
+    if q is None:
+        raise FileNotFoundError(f"no record at {path} (nor {Path(path).name}.gz)")
+    return gzip.decompress(q.read_bytes()).decode() if q.suffix == ".gz" else q.read_text()
+
+
 def read_log(run: str | Path, kind: str | None = "train") -> list[dict]:
-    """The records of a run folder's ``log.jsonl`` (or of that file itself), optionally of one
-    ``kind``."""
+    """The records of a run folder's ``log.jsonl`` (or of that file itself, or its ``.gz`` twin),
+    optionally of one ``kind``."""
     p = Path(run)
     path = p / LOG_FILE if p.is_dir() else p
-    if not path.is_file():
+    if record_file(path) is None:
         raise FileNotFoundError(f"no training log at {path}")
     return [rec for rec in _records(path) if kind is None or rec.get("kind") == kind]
 
 
 def _records(path: Path) -> Iterator[dict]:
-    for line in path.read_text().splitlines():
+    for line in read_record_text(path).splitlines():
         if line.strip():
             try:
                 yield json.loads(line)
@@ -151,4 +170,5 @@ def console_line(step: int, total: int | None, values: Mapping[str, Any]) -> str
     return "  ".join(parts)
 
 
-__all__ = ["LOG_FILE", "RunLog", "console_line", "device_name", "now", "read_log"]
+__all__ = ["LOG_FILE", "RunLog", "console_line", "device_name", "now", "read_log", "read_record_text",
+           "record_file"]
