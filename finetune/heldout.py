@@ -39,15 +39,39 @@ class PromptRangeError(ValueError):
     """A held-out prompt range the evaluation discipline forbids (the message says why, in one line)."""
 
 
+#: for a copy of the tree without its ``.git`` (the lent GPU gets one): ``"COMMIT BLOB"``, the
+#: commit that last changed ``PROTOCOL`` and the file's git blob id there (``git log -1
+#: --format=%H -- docs/repro/protocol.md``; ``git rev-parse COMMIT:docs/repro/protocol.md``)
+PROTOCOL_ENV = "ATTNQAT_PROTOCOL_COMMIT"
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git gives a file of these bytes (``git hash-object``)."""
+    import hashlib
+
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
 def protocol_committed(root: Path | None = None) -> tuple[bool, str]:
     """Whether ``PROTOCOL`` exists in ``root`` (default :data:`PROJECT_ROOT`) and is committed
-    there, unmodified: ``(True, commit)`` or ``(False, the reason)``. Needs git and a checkout."""
+    there, unmodified: ``(True, commit)`` or ``(False, the reason)``. Needs git and a checkout —
+    or, in a copy without ``.git``, :data:`PROTOCOL_ENV` naming the commit and the blob the file
+    must be byte-identical to (the commit is then ``"COMMIT (blob BLOB, no .git here)"``, to be
+    checked against the project's history: ``git cat-file -p COMMIT:docs/repro/protocol.md``)."""
+    import os
     import shutil
     import subprocess
 
     root = PROJECT_ROOT if root is None else Path(root)
     if not (root / PROTOCOL).is_file():
         return False, f"{PROTOCOL} does not exist in {root}"
+    named = os.environ.get(PROTOCOL_ENV, "").split()
+    if not (root / ".git").exists() and named:
+        if len(named) != 2:
+            return False, f"{PROTOCOL_ENV} must be 'COMMIT BLOB', got {' '.join(named)!r}"
+        if git_blob_id((root / PROTOCOL).read_bytes()) != named[1]:
+            return False, f"{PROTOCOL} differs from the committed copy {PROTOCOL_ENV} names (blob {named[1]})"
+        return True, f"{named[0]} (blob {named[1]}, no .git here)"
     if shutil.which("git") is None:
         return False, f"git is not available to check that {PROTOCOL} is committed"
 
@@ -56,7 +80,8 @@ def protocol_committed(root: Path | None = None) -> tuple[bool, str]:
 
     log = git("log", "-1", "--format=%H", "--", PROTOCOL)
     if log.returncode != 0:
-        return False, f"{root} is not a git checkout, so it cannot be shown that {PROTOCOL} is committed"
+        return False, (f"{root} is not a git checkout, so it cannot be shown that {PROTOCOL} is committed "
+                       f"(a copy without .git: set {PROTOCOL_ENV})")
     if not log.stdout.strip():
         return False, f"{PROTOCOL} is not committed"
     status = git("status", "--porcelain", "--", PROTOCOL)
@@ -225,5 +250,5 @@ def similarity(clips: list[np.ndarray], reference: list[np.ndarray], workers: in
 
 
 __all__ = ["CONFIRMATORY", "DEVELOPMENT", "HeldoutInputs", "OUTSIDE_FIRST", "PROTOCOL", "PromptRangeError",
-           "SUMMARY_KEYS", "check_prompt_range", "pairwise_similarity", "protocol_committed", "summarize_similarity", "generate_clips", "inputs", "score_all", "similarity",
+           "PROTOCOL_ENV", "SUMMARY_KEYS", "check_prompt_range", "git_blob_id", "pairwise_similarity", "protocol_committed", "summarize_similarity", "generate_clips", "inputs", "score_all", "similarity",
            "summary_row"]

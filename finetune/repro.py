@@ -387,6 +387,7 @@ def stage_eval(args, runs: list[str], configs: list[str]) -> int:
     if (bad := _other_clip_size(done, {k: getattr(inp.settings[0], k) for k in asked})) is not None:
         return bad
     role = heldout.check_prompt_range(args.eval_offset, args.eval_prompts)
+    protocol = heldout.protocol_committed()[1] if role == "confirmatory" else None
     base_sha = weights_sha256(args, models, "base")
     base_bf16 = _bf16_reference(args, models, inp, "base", models.pipe.transformer, base_sha)
     for c, seed, key, name in todo:
@@ -403,7 +404,7 @@ def stage_eval(args, runs: list[str], configs: list[str]) -> int:
         vs_own = None if method == "bf16" else (
             vs_base if key == "base" else heldout.pairwise_similarity(clips, own, args.workers))
         rec = {"config": c, "weights": key, "run": CONFIGS[c][0], "seed": seed, "attention": method,
-               "weights_sha256": sha, "prompt_set": role, "date": now(),
+               "weights_sha256": sha, "prompt_set": role, "protocol_commit": protocol, "date": now(),
                "device": device_name(models.device),
                "backend": args.eval_backend, "first_prompt": args.eval_offset,
                "prompts": inp.prompts, "seeds": [s.seed for s in inp.settings],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -151,9 +152,11 @@ def test_clip_size_reaches_training_and_evaluation_and_is_not_mixed(tmp_path):
 
 
 def _git(root, *a):
-    import subprocess
-
     subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True)
+
+
+def _git_out(root, *a):
+    return subprocess.run(["git", "-C", str(root), *a], check=True, capture_output=True).stdout
 
 
 def test_prompt_ranges_follow_the_evaluation_discipline(tmp_path, monkeypatch, capsys):
@@ -186,6 +189,22 @@ def test_prompt_ranges_follow_the_evaluation_discipline(tmp_path, monkeypatch, c
     (root / H.PROTOCOL).write_text("# protocol, changed after the fact\n")
     with pytest.raises(H.PromptRangeError, match="uncommitted changes"):
         H.check_prompt_range(950, 10)
+    # a copy of the tree without .git (the lent GPU's): the committed blob is named in the environment
+    copy = tmp_path / "copy"
+    (copy / "docs" / "repro").mkdir(parents=True)
+    (copy / H.PROTOCOL).write_bytes(_git_out(root, "show", f"HEAD:{H.PROTOCOL}"))
+    blob = _git_out(root, "rev-parse", f"HEAD:{H.PROTOCOL}").decode().strip()
+    assert H.git_blob_id((copy / H.PROTOCOL).read_bytes()) == blob
+    monkeypatch.setattr(H, "PROJECT_ROOT", copy)
+    with pytest.raises(H.PromptRangeError, match="not a git checkout"):
+        H.check_prompt_range(900, 500)
+    monkeypatch.setenv(H.PROTOCOL_ENV, f"abc123 {blob}")
+    assert H.check_prompt_range(900, 500) == "confirmatory"
+    assert H.protocol_committed(copy) == (True, f"abc123 (blob {blob}, no .git here)")
+    (copy / H.PROTOCOL).write_text("# protocol, changed after the fact\n")
+    with pytest.raises(H.PromptRangeError, match="differs from the committed copy"):
+        H.check_prompt_range(900, 500)
+    monkeypatch.delenv(H.PROTOCOL_ENV)
     # the command refuses before touching the work folder, with one line naming the rule
     monkeypatch.setattr(H, "PROJECT_ROOT", tmp_path / "nowhere")
     work = tmp_path / "work"
