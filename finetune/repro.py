@@ -181,6 +181,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder of the report's PNG curves (default: beside --doc)")
     parser.add_argument("--ship-to", type=Path, default=TINY_QAT_DIR,
                         help="where the ship stage puts the Attn-QAT transformer")
+    parser.add_argument("--ship-run", choices=("attnqat", "qad"), default="attnqat",
+                        help="the run whose seed-0 export the ship stage ships (the protocol's candidate: "
+                             "qad, docs/repro/protocol.md §9)")
 
 
 def log(msg: str) -> None:
@@ -943,7 +946,8 @@ def _protocol_link(doc: Path) -> str:
 def protocol_endpoints(ev: dict, verdicts: dict, costs: dict, shares: dict) -> dict:
     """docs/repro/protocol.md's endpoints for each 4-bit fine-tuned arm present (``qat``; ``qad``):
     the primary (NVFP4 against the base in BF16, 90 % paired interval) and the secondary family
-    H2–H5 with Holm-adjusted p (only the members that could be computed enter the family)."""
+    H2–H5 with Holm-adjusted p (only the members that could be computed enter the family). H5's
+    control is the BF16 control run for ``qat`` and the base for ``qad`` (protocol §9)."""
     out = {}
     for arm in ("qat", "qad"):
         a = f"{arm}-nvfp4"
@@ -964,8 +968,10 @@ def protocol_endpoints(ev: dict, verdicts: dict, costs: dict, shares: dict) -> d
             v = paired(outcomes(ev[a]), outcomes(ev["base-sage3"]))
             sec["H4 vs SageAttention3"] = {"what": f"{100 * v['diff']:+.1f} points [{100 * v['lo']:+.1f}, "
                                                    f"{100 * v['hi']:+.1f}]", "p": v["p"]}
-        if (c := costs.get((arm, "control"))) is not None:
-            sec["H5 4-bit cost vs the control's"] = {"what": f"{100 * c['cost_a']:+.1f} vs {100 * c['cost_b']:+.1f} "
+        # protocol §9: a distillation run's BF16 control would be its own teacher, the base
+        ctrl = "base" if arm == "qad" else "control"
+        if (c := costs.get((arm, ctrl))) is not None:
+            sec[f"H5 4-bit cost vs the {'base' if ctrl == 'base' else 'control'}'s"] = {"what": f"{100 * c['cost_a']:+.1f} vs {100 * c['cost_b']:+.1f} "
                                                              f"points, difference {100 * c['diff']:+.1f} "
                                                              f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}]",
                                                      "p": c["p"]}
@@ -991,7 +997,7 @@ def stage_ship(args) -> int:
     if getattr(args, "seeds", None) is not None and 0 not in seed_list(args):
         log("ship: the protocol ships the seed-0 Attn-QAT export; --seeds has no 0")
         return 2
-    src = args.work / "export" / run_key(args, "attnqat", 0)
+    src = args.work / "export" / run_key(args, args.ship_run, 0)
     if not (src / "attnqat.json").is_file():
         log(f"nothing to ship: {src} holds no exported Attn-QAT transformer")
         return 2
@@ -1005,7 +1011,7 @@ def stage_ship(args) -> int:
     record["qat_weights_note"] = (note(record["training"]) + "; the embedded model's Attn-QAT "
                                   f"weights, evaluated in {_shown(args.doc)}")
     record["protocol"] = "docs/repro/protocol.md"
-    record["sha256"] = weights_sha256(args, None, run_key(args, "attnqat", 0))
+    record["sha256"] = weights_sha256(args, None, run_key(args, args.ship_run, 0))
     dst = args.ship_to
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -288,6 +288,9 @@ def test_seeds_records_and_report(tmp_path):
     assert sorted(spread["by_seed"]) == ["0", "1"] and spread["min"] <= spread["max"]
     assert "primary" in rep["endpoints"]["qat"] and rep["endpoints"]["qat"]["primary"]["level"] == 0.90
     assert "H2 vs naive NVFP4" in rep["endpoints"]["qat"]["secondary"]
+    # H5's control: the BF16 control run for flow Attn-QAT, the base for the distillation run (protocol §9)
+    assert "H5 4-bit cost vs the control's" in rep["endpoints"]["qat"]["secondary"]
+    assert "H5 4-bit cost vs the base's" in rep["endpoints"]["qad"]["secondary"]
     assert all("p_holm" in v for v in rep["endpoints"]["qat"]["secondary"].values())
     # the pooled per-prompt outcome is the mean over the seeds
     s0 = [c["all_correct"] for c in json.loads((work / "eval" / "qat-nvfp4-s0.json").read_text())["clips"]]
