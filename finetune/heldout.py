@@ -55,8 +55,8 @@ def git_blob_id(data: bytes) -> str:
 def protocol_committed(root: Path | None = None) -> tuple[bool, str]:
     """Whether ``PROTOCOL`` exists in ``root`` (default :data:`PROJECT_ROOT`) and is committed
     there, unmodified: ``(True, commit)`` or ``(False, the reason)``. Needs git and a checkout —
-    or, in a copy without ``.git``, :data:`PROTOCOL_ENV` naming the commit and the blob the file
-    must be byte-identical to (the commit is then ``"COMMIT (blob BLOB, no .git here)"``, to be
+    or, in a copy without the project's ``.git``, :data:`PROTOCOL_ENV` naming the commit and the
+    blob the file must be byte-identical to (checked first whenever it is set) (the commit is then ``"COMMIT (blob BLOB, no .git here)"``, to be
     checked against the project's history: ``git cat-file -p COMMIT:docs/repro/protocol.md``)."""
     import os
     import shutil
@@ -66,7 +66,7 @@ def protocol_committed(root: Path | None = None) -> tuple[bool, str]:
     if not (root / PROTOCOL).is_file():
         return False, f"{PROTOCOL} does not exist in {root}"
     named = os.environ.get(PROTOCOL_ENV, "").split()
-    if not (root / ".git").exists() and named:
+    if named:   # named explicitly: checked byte for byte, whatever .git the copy may have
         if len(named) != 2:
             return False, f"{PROTOCOL_ENV} must be 'COMMIT BLOB', got {' '.join(named)!r}"
         if git_blob_id((root / PROTOCOL).read_bytes()) != named[1]:

@@ -859,12 +859,16 @@ def stage_report(args, runs: list[str], command: str) -> int:
                          f"{max(r['layers']):.4f} (layer {int(np.argmax(r['layers']))}) | "
                          f"{st[0]:.4f} / {st[-1]:.4f} |")
     endpoints = protocol_endpoints(ev, verdicts, costs, shares)
+    commits = sorted({r["protocol_commit"] for recs in ev.values() for r in recs if r.get("protocol_commit")})
+    status = (f"confirmatory: every record was made under the protocol of commit {', '.join(commits)}"
+              if role.startswith("confirmatory") and commits else
+              "on development prompts these are exploratory, whatever they show")
     lines += ["", "## The protocol's endpoints", "",
-              f"As {_protocol_link(args.doc)} names them "
-              "(on development prompts these are exploratory, whatever they show). Primary: Attn-QAT in NVFP4 "
+              f"As {_protocol_link(args.doc)} names them ({status}). Primary: Attn-QAT in NVFP4 "
               "against the base in BF16, 90 % paired interval inside ±3 points. Secondary family, Holm-adjusted: "
               "H2 above naive NVFP4, H3 at least half of the quality score's NVFP4 loss won back, H4 against "
-              "SageAttention3, H5 a smaller 4-bit cost than the BF16 control's.", ""]
+              "SageAttention3, H5 a smaller 4-bit cost than the BF16 control's (for the distillation run: "
+              "than the base's, protocol §9).", ""]
     for arm, e in endpoints.items():
         pr = e.get("primary")
         if pr is not None:
@@ -875,14 +879,22 @@ def stage_report(args, runs: list[str], command: str) -> int:
         for h, v in e.get("secondary", {}).items():
             lines.append(f"- {WEIGHTS[arm]}, {h}: {v['what']}; p {_p(v['p'], '= ')}, Holm-adjusted "
                          f"{_p(v['p_holm'], '= ')}: {'shown' if v['p_holm'] < 0.05 else 'not shown'}.")
-    lines += ["", "## Against the target", ""]
+    target = []
+    for arm, e in endpoints.items():
+        pr, sec = e.get("primary"), e.get("secondary", {})
+        h1 = pr is not None and -0.03 <= pr["lo"] and pr["hi"] <= 0.03
+        shown = [h for h in ("H2", "H3") if any(k.startswith(h) and v["p_holm"] < 0.05 for k, v in sec.items())]
+        target.append(f"- {WEIGHTS[arm]}: the protocol's target (H1 supported, H2 and H3 shown after Holm) is "
+                      + ("met." if h1 and shown == ["H2", "H3"] else
+                         f"not met (H1 {'supported' if h1 else 'not supported'}; shown: "
+                         f"{', '.join(shown) or 'neither H2 nor H3'})."))
     q = verdicts.get(("qat-nvfp4", "base-bf16"))
     if q is not None:
         within = -0.05 <= q["lo"] and q["hi"] <= 0.05
-        lines.append(f"- QAT-NVFP4 against base-BF16: {100 * q['diff']:+.1f} points "
-                     f"[{100 * q['lo']:+.1f}, {100 * q['hi']:+.1f}], p {_p(q['p'], '= ')}: the test "
-                     f"{'does not reject' if q['p'] >= 0.05 else 'rejects'} equality; the 95 % interval "
-                     f"{'lies' if within else 'does not lie'} within ±5 points.")
+        target.append(f"- QAT-NVFP4 against base-BF16: {100 * q['diff']:+.1f} points "
+                      f"[{100 * q['lo']:+.1f}, {100 * q['hi']:+.1f}], p {_p(q['p'], '= ')}: the test "
+                      f"{'does not reject' if q['p'] >= 0.05 else 'rejects'} equality; the 95 % interval "
+                      f"{'lies' if within else 'does not lie'} within ±5 points.")
     for b, against in (("base-nvfp4", "base-NVFP4"),
                        ("control-nvfp4", "the BF16 control with NVFP4 attention (what the extra training "
                                          "alone gives)"),
@@ -890,14 +902,16 @@ def stage_report(args, runs: list[str], command: str) -> int:
                                         "attention in training and inference)")):
         v = verdicts.get(("qat-nvfp4", b))
         if v is not None:
-            lines.append(f"- QAT-NVFP4 against {against}: {100 * v['diff']:+.1f} points "
-                         f"[{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}], p {_p(v['p'], '= ')}.")
+            target.append(f"- QAT-NVFP4 against {against}: {100 * v['diff']:+.1f} points "
+                          f"[{100 * v['lo']:+.1f}, {100 * v['hi']:+.1f}], p {_p(v['p'], '= ')}.")
     c = costs.get(("qat", "control"))
     if c is not None:
-        lines.append(f"- Attn-QAT's own 4-bit cost against the BF16 control's (what training with 4-bit "
-                     f"attention buys in robustness): {100 * c['cost_a']:+.1f} against "
-                     f"{100 * c['cost_b']:+.1f} points, difference {100 * c['diff']:+.1f} "
-                     f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}].")
+        target.append(f"- Attn-QAT's own 4-bit cost against the BF16 control's (what training with 4-bit "
+                      f"attention buys in robustness): {100 * c['cost_a']:+.1f} against "
+                      f"{100 * c['cost_b']:+.1f} points, difference {100 * c['diff']:+.1f} "
+                      f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}].")
+    if target:
+        lines += ["", "## Against the target", "", *target]
     if run_dirs:
         curves = figs / "repro_curves.png"
         labels = {k: RUNS[r][2] + ("" if k == r else f" (seed {sd})") for k, (r, sd, _) in run_dirs.items()}

@@ -283,6 +283,7 @@ def test_seeds_records_and_report(tmp_path):
     assert "across seeds" in text and "(2 seeds)" in text and "## The protocol's endpoints" in text
     assert "## Quality score: NVFP4 loss won back" in text and "Attn-QAT (distill)" in text
     assert "--objective distill" in text and "(seed 1)" in text
+    assert "## Against the target" in text and "Attn-QAT (distill): the protocol's target" in text
     rep = json.loads((work / "report.json").read_text())
     spread = rep["seed_spreads"]["qat-nvfp4 vs base-bf16"]
     assert sorted(spread["by_seed"]) == ["0", "1"] and spread["min"] <= spread["max"]

@@ -39,16 +39,18 @@ if [ "$PHASE" = train ] || [ "$PHASE" = eval ]; then
   el "evaluating for at most $EVAL_S s"
   epids=()
   # the base's BF16 clips (every record's reference) and its naive NVFP4: one process
-  timeout "$EVAL_S" attnqat repro "${COMMON[@]}" --seeds "$SEEDS" --stages eval --configs base-bf16,base-nvfp4 \
+  timeout -s KILL "$EVAL_S" attnqat repro "${COMMON[@]}" --seeds "$SEEDS" --stages eval --configs base-bf16,base-nvfp4 \
     --workers 3 >> "$W/logs/eval-base.log" 2>&1 &
   epids+=($!)
-  for i in $(seq 600); do   # the others start once the base's BF16 clips are cached
-    ls "$W"/cache/base-bf16-*.npy > /dev/null 2>&1 && break; sleep 1; done
-  timeout "$EVAL_S" attnqat repro "${COMMON[@]}" --seeds "$SEEDS" --stages eval --configs base-sage3 \
+  for i in $(seq "$EVAL_S"); do   # the others start once the base's BF16 clips are cached
+    ls "$W"/cache/base-bf16-*.npy > /dev/null 2>&1 && break
+    kill -0 "${epids[0]}" 2> /dev/null || { el "the base's evaluation ended early"; break; }
+    sleep 1; done
+  timeout -s KILL "$EVAL_S" attnqat repro "${COMMON[@]}" --seeds "$SEEDS" --stages eval --configs base-sage3 \
     --workers 3 >> "$W/logs/eval-sage3.log" 2>&1 &
   epids+=($!)
   for s in ${SEEDS//,/ }; do
-    timeout "$EVAL_S" attnqat repro "${COMMON[@]}" --seeds "$s" --stages eval --configs qad-nvfp4,qad-bf16 \
+    timeout -s KILL "$EVAL_S" attnqat repro "${COMMON[@]}" --seeds "$s" --stages eval --configs qad-nvfp4,qad-bf16 \
       --workers 3 >> "$W/logs/eval-qad-s$s.log" 2>&1 &
     epids+=($!)
   done
