@@ -390,7 +390,10 @@ def _dq_kernel(Q8, SQ, K8, K8T, SK, KMEAN, V, DO, LSE2, DELTA, DQ,
 # 8 warps 84.9 ms (profiled), at 4 warps ~45.6 (backward 74.7 ms minus dQ's 28.9); 2 stages need
 # 354 KB of shared memory, over the 227 KB limit. dQ 8 warps / 2 stages 28.9 ms, 3 stages ~20.6
 # (backward 105.7 minus dK/dV's 84.9); 4 warps slower (backward 119.9-145.2)
-DKDV_CONFIG = dict(num_warps=4, num_stages=1)
+# H100, 2026-11-26 (`python3 -P -m attnqat.kernels.sagebwd_bench --variants --profile --rep-ms 250`,
+# whole backward timed per variant): one dK/dV launch at 4 warps 45.2 ms of a 66 ms backward;
+# split into a dV launch and a dK launch (one accumulator each; bit-identical) 61.9 ms in all.
+DKDV_CONFIG = dict(split=True, num_warps=4, num_stages=1)
 DQ_CONFIG = dict(num_warps=8, num_stages=3)
 
 

@@ -234,6 +234,9 @@ def test_kernels_autograd_and_inference():
     want = ks.backward(q, k, v, o32, do, st, 0.125)
     for got, w in zip((qr.grad, kr.grad, vr.grad), want):
         assert torch.equal(got, w)
+    # dK/dV in one launch (two accumulators) or split in two (the default): the same bits
+    one = ks.backward(q, k, v, o32, do, st, 0.125, config={"dkdv": {"split": False}})
+    assert ks.DKDV_CONFIG["split"] and all(torch.equal(a, b) for a, b in zip(one, want))
     # the public function takes the same softmax_scale argument as attnqat.attention
     with torch.no_grad():
         o2 = ks.sagebwd_attention(q, k, v, softmax_scale=0.2)
