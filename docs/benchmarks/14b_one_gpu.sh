@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# Does one Attn-QAT training step of the Wan 2.1 14B transformer at 480p, 81 frames fit on ONE GPU?
+# (docs/benchmarks.md, "14B on one GPU"). Self-contained device script: runs each row of the table
+# as its own process (`attnqat bench train --config 14b`, random weights, batch 1, gradient
+# checkpointing, bf16 autocast), each under its own time limit, and writes into $OUT
+#   <row>.json   the row's record (bench train's own, or, when the process was killed, one written
+#                here: "does not fit: host out of memory ..." for the kernel's OOM killer)
+#   <row>.log    its output;  14b_one_gpu.json  all rows together;  env.txt  GPU, host, versions
+# and prints a short table last. A row that runs out of GPU or host memory ends with a one-line
+# "does not fit" record and the next row starts.
+#
+#   OUT=/tmp/out bash docs/benchmarks/14b_one_gpu.sh
+#
+# Environment: OUT (required); ROWS (comma-separated, default all four below, in that order);
+# BUDGET_S (seconds for all rows together, default 400: each row's limit is cut to what is left, and
+# a row with under MIN_ROW_S (default 45) s left is recorded as not run); PYTHON (default python3); CONFIG (default 14b)
+# and EXTRA (more bench train arguments) only for trying the script itself on a small model, e.g.
+# CONFIG=tiny EXTRA="--device cpu --resolution 32x32 --frames 5" (tests/test_bench_train_14b.py).
+set -u
+OUT=${OUT:?set OUT to the folder for the records}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+BUDGET=${BUDGET_S:-400}
+MIN_ROW=${MIN_ROW_S:-45}
+ROWS=${ROWS:-lora32,lora32-offload,full-offload-8bit,full-8bit}
+CONFIG=${CONFIG:-14b}
+EXTRA=${EXTRA:-}
+T0=$(date +%s)
+el() { echo "[14b $(( $(date +%s) - T0 )) s] $*"; }
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  free -g 2>&1 | head -2
+  echo "cgroup memory.max: $(cat /sys/fs/cgroup/memory.max 2>/dev/null || echo none)"
+  nproc
+  $PY -c "import torch, triton, diffusers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'peft', peft.__version__)" 2>&1
+} | tee "$OUT/env.txt"
+
+oom_kills() { awk '$1 == "oom_kill" {print $2; f = 1} END {if (!f) print 0}' /sys/fs/cgroup/memory.events 2>/dev/null || echo 0; }
+
+# row NAME LIMIT_S ARGS...: one bench train process; its host RSS sampled every second
+row() {
+  local name=$1 limit=$2; shift 2
+  local json="$OUT/$name.json" log="$OUT/$name.log"
+  local left=$(( BUDGET - ($(date +%s) - T0) ))
+  rm -f "$json"
+  if [ "$left" -lt "$MIN_ROW" ]; then
+    el "$name: not run (${left} s of the ${BUDGET} s budget left)"
+    $PY - "$json" "$name" "$*" "$CONFIG" <<'PY'
+import json, sys
+json.dump({"config": sys.argv[4], "row": sys.argv[2], "args": sys.argv[3], "rows": [
+    {"method": "attnqat", "fits": None, "not_run": "out of time in the script's budget"}]},
+    open(sys.argv[1], "w"), indent=1)
+PY
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  el "$name: attnqat bench train --config $CONFIG $* $EXTRA (limit ${limit} s)"
+  local k0 t1 pid rss peak=0 last=0 killed=0
+  k0=$(oom_kills)
+  t1=$(date +%s)
+  # shellcheck disable=SC2086  # EXTRA: words
+  $PY -m attnqat.cli bench train --config "$CONFIG" --resolution 480p --frames 81 --methods attnqat \
+      --json "$json" "$@" $EXTRA > "$log" 2>&1 &
+  pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    rss=$(awk '/^VmRSS:/ {print $2}' "/proc/$pid/status" 2>/dev/null)
+    if [ -n "$rss" ]; then last=$rss; [ "$rss" -gt "$peak" ] && peak=$rss; fi
+    if [ $(( $(date +%s) - t1 )) -ge "$limit" ] && [ "$killed" = 0 ]; then
+      killed=1; kill -TERM "$pid" 2>/dev/null; sleep 5; kill -KILL "$pid" 2>/dev/null
+    fi
+    sleep 1
+  done
+  wait "$pid"
+  local rc=$?
+  grep "^$CONFIG attnqat (" "$log" || tail -n 3 "$log"
+  $PY - "$json" "$log" "$name" "$rc" "$(( $(date +%s) - t1 ))" "$limit" "$killed" "$peak" "$last" \
+      "$k0" "$(oom_kills)" "$CONFIG" "$* $EXTRA" <<'PY'
+import json, sys
+from pathlib import Path
+
+path, log, name, rc, elapsed, limit, killed, peak, last, k0, k1, config, args = sys.argv[1:]
+rc, elapsed, limit, killed, k0, k1 = map(int, (rc, elapsed, limit, killed, k0, k1))
+peak, last = int(peak) / 2**20, int(last) / 2**20            # KiB -> GiB
+p = Path(path)
+rec = json.loads(p.read_text()) if p.exists() else None
+if rec is None or not rec.get("rows"):
+    lines = Path(log).read_text(errors="replace").splitlines() if Path(log).exists() else []
+    phases = [x.split(": ", 1)[1] for x in lines if x.startswith("bench train [") and ": " in x]
+    where = phases[-1] if phases else "starting"
+    if killed:
+        why, fits = f"did not finish within {limit} s (last: {where})", None
+    elif rc in (137, -9) or k1 > k0:
+        seen = (f"the kernel's OOM killer ended it (cgroup oom_kill count +{k1 - k0})" if k1 > k0 else
+                "presumably the kernel's OOM killer (the cgroup's oom_kill count did not show it)")
+        why = (f"host out of memory: killed by SIGKILL (exit {rc}), {seen}, while {where}; host RSS "
+               f"{last:.1f} GiB at the last one-second sample, {peak:.1f} GiB at most")
+        fits = False
+    else:
+        tail = next((x.strip() for x in reversed(lines) if x.strip()), "no output")
+        why, fits = f"failed (exit {rc}) while {where}: {tail[:240]}", None
+    row = {"method": "attnqat", "fits": fits, "host_rss_last_sample_gib": last,
+           "host_rss_max_sample_gib": peak, "exit": rc, "elapsed_s": elapsed}
+    row["does_not_fit" if fits is False else "error"] = why
+    rec = {"config": config, "command": ["attnqat", "bench", "train", "--config", config, *args.split()],
+           "rows": [row]}
+    print(f"{config} attnqat ({name}): " + ("does not fit: " if fits is False else "") + why)
+rec.update(row=name, args=args, exit=rc, elapsed_s=elapsed, limit_s=limit,
+           host_rss_max_sample_gib=peak)
+p.write_text(json.dumps(rec, indent=1) + "\n")
+PY
+}
+
+for r in ${ROWS//,/ }; do
+  case $r in
+    lora32)            row "$r" 150 --lora-rank 32 --warmup 1 --steps 1 ;;
+    lora32-offload)    row "$r" 180 --lora-rank 32 --offload --warmup 1 --steps 1 ;;
+    # no warm-up: if it fits, the CPU optimizer step over 14.3 B float32 weights takes minutes
+    full-offload-8bit) row "$r" 150 --offload --optimizer adamw8bit --warmup 0 --steps 1 ;;
+    full-8bit)         row "$r" 90 --optimizer adamw8bit --warmup 0 --steps 1 ;;
+    *) el "unknown row $r (rows: lora32, lora32-offload, full-offload-8bit, full-8bit)" ;;
+  esac
+done
+
+el "done"
+$PY - "$OUT" "${ROWS}" "$CONFIG" <<'PY'
+import json, sys
+from pathlib import Path
+
+out, names, config = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
+recs = {n: json.loads((out / f"{n}.json").read_text()) for n in names if (out / f"{n}.json").exists()}
+(out / "14b_one_gpu.json").write_text(json.dumps(recs, indent=1) + "\n")
+first = next((r for r in recs.values() if "device" in r), {"config": config})
+print(f"\n{first['config']} Attn-QAT training step, {first.get('height', '?')}x{first.get('width', '?')}, "
+      f"{first.get('frames', '?')} frames, batch 1, one GPU ({first.get('device', '?')}), {first.get('date', '?')}:")
+head = (f"{'row':<18} {'fits':<5} {'step s':>7} {'GPU peak GiB':>13} {'host peak GiB':>14} {'in steps':>9} "
+        f"{'build s':>8} {'setup s':>8}")
+print(head)
+print("-" * len(head))
+f = lambda v, d=1: "-" if v is None else f"{v:.{d}f}"
+for n, rec in recs.items():
+    r = rec["rows"][0]
+    fits = {True: "yes", False: "no", None: "?"}[r.get("fits")]
+    host = r.get("host_peak_rss_gib", r.get("host_rss_max_sample_gib"))
+    print(f"{n:<18} {fits:<5} {f(r.get('step_s'), 2):>7} {f(r.get('peak_memory_gib')):>13} {f(host):>14} "
+          f"{f(r.get('host_steps_peak_rss_gib')):>9} {f(r.get('build_s')):>8} {f(r.get('trainer_setup_s')):>8}")
+    note = r.get("does_not_fit") or r.get("error") or r.get("not_run")
+    if note:
+        print(f"{'':<18} {note}")
+PY
