@@ -322,6 +322,8 @@ def run(args: argparse.Namespace) -> int:
         if not (args.published_kernel / "fastvideo_kernel").is_dir():
             return fail(f"--published-kernel {args.published_kernel} holds no fastvideo_kernel package")
         methods.append("published")
+    from attnqat.cli import invocation
+
     from . import mesh
 
     try:
@@ -342,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
                 "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 "gpu_memory_gib": (torch.cuda.get_device_properties(dev).total_memory / GIB
                                    if dev.type == "cuda" else None),
-                **host_memory_gib(), "command": ["attnqat", *sys.argv[1:]],
+                **host_memory_gib(), "command": invocation(),
                 "versions": versions(), "date": now()}
 
         def record() -> None:   # after every row: a later row's crash keeps the earlier ones

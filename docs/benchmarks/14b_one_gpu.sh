@@ -19,7 +19,7 @@
 set -u
 OUT=${OUT:?set OUT to the folder for the records}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1   # -P: the repository root holds attnqat/, a part of the package
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET_S:-400}
 MIN_ROW=${MIN_ROW_S:-45}
@@ -37,6 +37,7 @@ el() { echo "[14b $(( $(date +%s) - T0 )) s] $*"; }
   nproc
   $PY -c "import torch, triton, diffusers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'peft', peft.__version__)" 2>&1
 } | tee "$OUT/env.txt"
+R0=$(date +%s)   # the rows' budget starts here
 
 oom_kills() { awk '$1 == "oom_kill" {print $2; f = 1} END {if (!f) print 0}' /sys/fs/cgroup/memory.events 2>/dev/null || echo 0; }
 
@@ -44,7 +45,7 @@ oom_kills() { awk '$1 == "oom_kill" {print $2; f = 1} END {if (!f) print 0}' /sy
 row() {
   local name=$1 limit=$2; shift 2
   local json="$OUT/$name.json" log="$OUT/$name.log"
-  local left=$(( BUDGET - ($(date +%s) - T0) ))
+  local left=$(( BUDGET - ($(date +%s) - R0) ))
   rm -f "$json"
   if [ "$left" -lt "$MIN_ROW" ]; then
     el "$name: not run (${left} s of the ${BUDGET} s budget left)"
