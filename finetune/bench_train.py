@@ -8,6 +8,14 @@ FSDP2 per block, bf16 autocast, the attention processor, gradient checkpointing)
 given clip size (batch 1 per GPU). Runs under ``torchrun`` too: then each GPU holds its shard and
 the table is per GPU.
 
+The float32 master weights are drawn on the GPU, also for ``--offload`` (the 14B model's 14.3 B
+values take seconds there and minutes on the CPU; docs/benchmarks.md, "14B on one GPU"), and the
+build, the trainer's set-up (FSDP2, the offload's pinned copies) and every step are logged with
+their times. A row that runs out of GPU or host memory ends as one line, ``does not fit: <what ran
+out> while <phase>: <the error's first line>``, and a row of the record with ``fits: false`` (exit
+status 0: the question was answered); the JSON is rewritten after every row. The host's peak RSS is
+given for the whole process and for the timed steps alone.
+
 ``--published-kernel DIR`` adds a row ``published``: the ``attnqat`` student with its attention
 calls sent to the published Attn-QAT Triton training kernel (FastVideo's
 ``fastvideo_kernel.triton_kernels.attn_qat_train.attention``, imported from ``DIR``, which the
@@ -191,6 +199,7 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
     if offload and dev.type == "cuda":
         need = parameter_bytes(config, torch.float32)
         home = dev if need + 4 * GIB < torch.cuda.mem_get_info(dev)[0] else torch.device("cpu")
+    status["weights_built_on"] = str(home)
     phase(f"building the model (float32, drawn on {dev}, kept on {home})")
     t0 = time.perf_counter()
     model = build_random_transformer(config, dev, dtype=torch.float32, seed=0, home=home)
@@ -372,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
                     raise
                 row = not_fit_row(m, why, exc, status, dev, offload=args.offload,
                                   optimizer=args.optimizer, lora_rank=args.lora_rank)
-                del exc
+            if not row["fits"]:   # out of the except block: its frames (the model) are released
                 gc.collect()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
