@@ -121,8 +121,15 @@ def _script(tmp_path, fake: str, **env) -> tuple[subprocess.CompletedProcess, Pa
     shim.chmod(0o755)
     out = tmp_path / "out"
     done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "OUT": str(out), "PYTHON": str(shim), **env})
+                          env={**os.environ, "OUT": str(out), "WORK": str(tmp_path / "work"),
+                               "PYTHON": str(shim), **env})
     return done, out
+
+
+def _records(out: Path) -> dict:
+    """The script's records by row name; the script leaves three files in $OUT (the GPU returns 8)."""
+    assert sorted(p.name for p in out.iterdir()) == ["14b_one_gpu.json", "14b_one_gpu.log", "env.txt"]
+    return json.loads((out / "14b_one_gpu.json").read_text())
 
 
 def test_script_records_a_row_killed_by_the_oom_killer(tmp_path):
@@ -133,15 +140,17 @@ def test_script_records_a_row_killed_by_the_oom_killer(tmp_path):
             'case " $* " in *" --offload "*) kill -9 $$ ;; esac\nexit 0')
     done, out = _script(tmp_path, fake, ROWS="lora32-offload,lora32")
     assert done.returncode == 0, done.stderr
-    row = json.loads((out / "lora32-offload.json").read_text())["rows"][0]
+    recs = _records(out)
+    row = recs["lora32-offload"]["rows"][0]
     assert row["fits"] is False and row["exit"] == 137
     assert row["does_not_fit"].startswith("host out of memory: killed by SIGKILL (exit 137)")
     assert "while timed step 1: forward and backward" in row["does_not_fit"]
     assert row["does_not_fit"] in done.stdout
     # the second row exited 0 without a record: a failure, not a "does not fit"
-    second = json.loads((out / "lora32.json").read_text())["rows"][0]
+    second = recs["lora32"]["rows"][0]
     assert second["fits"] is None and second["error"].startswith("failed (exit 0)")
-    assert set(json.loads((out / "14b_one_gpu.json").read_text())) == {"lora32-offload", "lora32"}
+    assert list(recs) == ["lora32-offload", "lora32"]
+    assert "=== lora32-offload: bench train --lora-rank 32 --offload" in (out / "14b_one_gpu.log").read_text()
     last = done.stdout.strip().splitlines()
     assert any(x.startswith("lora32-offload     no ") for x in last[-5:])
 
@@ -150,10 +159,11 @@ def test_script_stops_a_row_at_its_limit_and_skips_rows_out_of_budget(tmp_path):
     fake = 'echo "bench train [1.0 s] attnqat: trainer set up in 1.0 s" >&2\nsleep 60'
     done, out = _script(tmp_path, fake, ROWS="lora32,full-8bit", BUDGET_S="4", MIN_ROW_S="1")
     assert done.returncode == 0, done.stderr
-    first = json.loads((out / "lora32.json").read_text())["rows"][0]
+    recs = _records(out)
+    first = recs["lora32"]["rows"][0]
     assert first["fits"] is None and first["error"].startswith("did not finish within")
     assert "trainer set up" in first["error"]
-    second = json.loads((out / "full-8bit.json").read_text())["rows"][0]
+    second = recs["full-8bit"]["rows"][0]
     assert second["fits"] is None and "out of time" in second["not_run"]
 
 
@@ -162,12 +172,14 @@ def test_script_runs_real_rows_on_a_tiny_model(tmp_path):
     """The script end to end with bench train itself (tiny model, CPU): each row its own record."""
     out = tmp_path / "out"
     done = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, "CONFIG": "tiny",
+                          env={**os.environ, "OUT": str(out), "WORK": str(tmp_path / "work"),
+                               "PYTHON": sys.executable, "CONFIG": "tiny",
                                "EXTRA": "--device cpu --resolution 32x32 --frames 5",
                                "ROWS": "lora32-offload,full-8bit"})
     assert done.returncode == 0, done.stderr
+    recs = _records(out)
     for name, lora, offload in (("lora32-offload", 32, True), ("full-8bit", 0, False)):
-        rec = json.loads((out / f"{name}.json").read_text())
+        rec = recs[name]
         row = rec["rows"][0]
         assert row["fits"] is True and row["lora_rank"] == lora and row["offload"] is offload
         assert rec["exit"] == 0 and rec["config"] == "tiny"

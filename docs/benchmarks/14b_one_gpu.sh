@@ -2,23 +2,28 @@
 # Does one Attn-QAT training step of the Wan 2.1 14B transformer at 480p, 81 frames fit on ONE GPU?
 # (docs/benchmarks.md, "14B on one GPU"). Self-contained device script: runs each row of the table
 # as its own process (`attnqat bench train --config 14b`, random weights, batch 1, gradient
-# checkpointing, bf16 autocast), each under its own time limit, and writes into $OUT
-#   <row>.json   the row's record (bench train's own, or, when the process was killed, one written
-#                here: "does not fit: host out of memory ..." for the kernel's OOM killer)
-#   <row>.log    its output;  14b_one_gpu.json  all rows together;  env.txt  GPU, host, versions
+# checkpointing, bf16 autocast), each under its own time limit, and writes three files into $OUT
+# (the lent GPU returns at most 8), each brought up to date after every row:
+#   14b_one_gpu.json  the rows' records by row name: bench train's own, or, for a process that was
+#                     killed, one written here ("does not fit: host out of memory ..." for SIGKILL,
+#                     the kernel's OOM killer's signal; "did not finish within N s" at the limit)
+#   14b_one_gpu.log   every row's output;   env.txt  GPU, host memory, versions
 # and prints a short table last. A row that runs out of GPU or host memory ends with a one-line
-# "does not fit" record and the next row starts.
+# "does not fit" record and the next row starts. The rows' own files are in $WORK.
 #
 #   OUT=/tmp/out bash docs/benchmarks/14b_one_gpu.sh
 #
 # Environment: OUT (required); ROWS (comma-separated, default all four below, in that order);
 # BUDGET_S (seconds for all rows together, default 400: each row's limit is cut to what is left, and
-# a row with under MIN_ROW_S (default 45) s left is recorded as not run); PYTHON (default python3); CONFIG (default 14b)
-# and EXTRA (more bench train arguments) only for trying the script itself on a small model, e.g.
+# a row with under MIN_ROW_S (default 45) s left is recorded as not run); WORK (default
+# /tmp/14b_one_gpu); PYTHON (default python3); CONFIG (default 14b) and EXTRA (more bench train
+# arguments) only for trying the script itself on a small model, e.g.
 # CONFIG=tiny EXTRA="--device cpu --resolution 32x32 --frames 5" (tests/test_bench_train_14b.py).
 set -u
 OUT=${OUT:?set OUT to the folder for the records}
-mkdir -p "$OUT"
+W=${WORK:-/tmp/14b_one_gpu}
+mkdir -p "$OUT" "$W"
+: > "$OUT/14b_one_gpu.log"
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1   # -P: the repository root holds attnqat/, a part of the package
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET_S:-400}
@@ -44,11 +49,11 @@ oom_kills() { awk '$1 == "oom_kill" {print $2; f = 1} END {if (!f) print 0}' /sy
 # row NAME LIMIT_S ARGS...: one bench train process; its host RSS sampled every second
 row() {
   local name=$1 limit=$2; shift 2
-  local json="$OUT/$name.json" log="$OUT/$name.log"
+  local json="$W/$name.json" log="$W/$name.log"
   local left=$(( BUDGET - ($(date +%s) - R0) ))
   rm -f "$json"
   if [ "$left" -lt "$MIN_ROW" ]; then
-    el "$name: not run (${left} s of the ${BUDGET} s budget left)"
+    el "$name: not run (${left} s of the ${BUDGET} s budget left)" | tee -a "$OUT/14b_one_gpu.log"
     $PY - "$json" "$name" "$*" "$CONFIG" <<'PY'
 import json, sys
 json.dump({"config": sys.argv[4], "row": sys.argv[2], "args": sys.argv[3], "rows": [
@@ -112,8 +117,22 @@ rec.update(row=name, args=args, exit=rc, elapsed_s=elapsed, limit_s=limit,
            host_rss_max_sample_gib=peak)
 p.write_text(json.dumps(rec, indent=1) + "\n")
 PY
+  { echo "=== $name: bench train $* $EXTRA (exit $rc)"; cat "$log"; } >> "$OUT/14b_one_gpu.log"
 }
 
+# combine: the records of the rows run so far, by row name, into $OUT/14b_one_gpu.json
+combine() {
+  $PY - "$W" "$OUT/14b_one_gpu.json" "$ROWS" <<'PY'
+import json, sys
+from pathlib import Path
+
+w, out, names = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")
+recs = {n: json.loads((w / f"{n}.json").read_text()) for n in names if (w / f"{n}.json").exists()}
+out.write_text(json.dumps(recs, indent=1) + "\n")
+PY
+}
+
+for r in ${ROWS//,/ }; do rm -f "$W/$r.json"; done
 for r in ${ROWS//,/ }; do
   case $r in
     lora32)            row "$r" 150 --lora-rank 32 --warmup 1 --steps 1 ;;
@@ -123,16 +142,15 @@ for r in ${ROWS//,/ }; do
     full-8bit)         row "$r" 90 --optimizer adamw8bit --warmup 0 --steps 1 ;;
     *) el "unknown row $r (rows: lora32, lora32-offload, full-offload-8bit, full-8bit)" ;;
   esac
+  combine
 done
 
 el "done"
-$PY - "$OUT" "${ROWS}" "$CONFIG" <<'PY'
+$PY - "$OUT/14b_one_gpu.json" "$CONFIG" <<'PY'
 import json, sys
 from pathlib import Path
 
-out, names, config = Path(sys.argv[1]), sys.argv[2].split(","), sys.argv[3]
-recs = {n: json.loads((out / f"{n}.json").read_text()) for n in names if (out / f"{n}.json").exists()}
-(out / "14b_one_gpu.json").write_text(json.dumps(recs, indent=1) + "\n")
+recs, config = json.loads(Path(sys.argv[1]).read_text()), sys.argv[2]
 first = next((r for r in recs.values() if "device" in r), {"config": config})
 print(f"\n{first['config']} Attn-QAT training step, {first.get('height', '?')}x{first.get('width', '?')}, "
       f"{first.get('frames', '?')} frames, batch 1, one GPU ({first.get('device', '?')}), {first.get('date', '?')}:")
