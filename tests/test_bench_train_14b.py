@@ -157,7 +157,7 @@ def test_script_records_a_row_killed_by_the_oom_killer(tmp_path):
 
 def test_script_stops_a_row_at_its_limit_and_skips_rows_out_of_budget(tmp_path):
     fake = 'echo "bench train [1.0 s] attnqat: trainer set up in 1.0 s" >&2\nsleep 60'
-    done, out = _script(tmp_path, fake, ROWS="lora32,full-8bit", BUDGET_S="4", MIN_ROW_S="1")
+    done, out = _script(tmp_path, fake, ROWS="lora32,full-8bit", BUDGET_S="2", MIN_ROW_S="1")
     assert done.returncode == 0, done.stderr
     recs = _records(out)
     first = recs["lora32"]["rows"][0]

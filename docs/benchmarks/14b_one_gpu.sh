@@ -40,7 +40,14 @@ el() { echo "[14b $(( $(date +%s) - T0 )) s] $*"; }
   free -g 2>&1 | head -2
   echo "cgroup memory.max: $(cat /sys/fs/cgroup/memory.max 2>/dev/null || echo none)"
   nproc
-  $PY -c "import torch, triton, diffusers, peft; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__, 'peft', peft.__version__)" 2>&1
+  $PY -c "
+from importlib.metadata import version
+for n in ('torch', 'triton', 'diffusers', 'peft', 'accelerate', 'transformers'):
+    try:
+        print(n, version(n), end='  ')
+    except Exception:
+        print(n, 'MISSING', end='  ')
+print()" 2>&1
 } | tee "$OUT/env.txt"
 R0=$(date +%s)   # the rows' budget starts here
 
@@ -75,7 +82,9 @@ PY
     rss=$(awk '/^VmRSS:/ {print $2}' "/proc/$pid/status" 2>/dev/null)
     if [ -n "$rss" ]; then last=$rss; [ "$rss" -gt "$peak" ] && peak=$rss; fi
     if [ $(( $(date +%s) - t1 )) -ge "$limit" ] && [ "$killed" = 0 ]; then
-      killed=1; kill -TERM "$pid" 2>/dev/null; sleep 5; kill -KILL "$pid" 2>/dev/null
+      killed=1; kill -TERM "$pid" 2>/dev/null
+      for _ in 1 2 3 4 5; do kill -0 "$pid" 2>/dev/null && sleep 1; done
+      kill -KILL "$pid" 2>/dev/null
     fi
     sleep 1
   done
