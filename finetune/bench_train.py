@@ -8,8 +8,9 @@ FSDP2 per block, bf16 autocast, the attention processor, gradient checkpointing)
 given clip size (batch 1 per GPU). Runs under ``torchrun`` too: then each GPU holds its shard and
 the table is per GPU.
 
-The float32 master weights are drawn on the GPU, also for ``--offload`` (the 14B model's 14.3 B
-values take seconds there and minutes on the CPU; docs/benchmarks.md, "14B on one GPU"), and the
+The float32 master weights are drawn on the GPU, also for ``--offload``, where each moves to the
+CPU as soon as it is drawn (the 14B model's 14.3 B values take seconds on the GPU and minutes on
+the CPU; docs/benchmarks.md, "14B on one GPU"), and the
 build, the trainer's set-up (FSDP2, the offload's pinned copies) and every step are logged with
 their times. A row that runs out of GPU or host memory ends as one line, ``does not fit: <what ran
 out> while <phase>: <the error's first line>``, and a row of the record with ``fits: false`` (exit
@@ -192,22 +193,20 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
                       gradient_checkpointing=checkpointing, precision="auto", offload=offload,
                       optimizer=optimizer, lora_rank=lora_rank)
     # The float32 master weights are drawn on the GPU (a CPU draw of 14 B values takes minutes).
-    # Offloaded, they may stay there when they fit: FSDP2's CPUOffloadPolicy moves every parameter
-    # to the GPU before it copies it into pinned CPU memory anyway, so starting on the GPU only
-    # skips that first copy; otherwise each goes to the CPU as soon as it is drawn.
-    home = dev
-    if offload and dev.type == "cuda":
-        need = parameter_bytes(config, torch.float32)
-        home = dev if need + 4 * GIB < torch.cuda.mem_get_info(dev)[0] else torch.device("cpu")
+    # Offloaded, the trainer gets them in CPU memory, as `finetune train --offload` does: each is
+    # moved there as soon as it is drawn (the GPU holds one at a time).
+    home = torch.device("cpu") if offload else dev
+    size = parameter_bytes(config, torch.float32)
     status["weights_built_on"] = str(home)
-    phase(f"building the model (float32, drawn on {dev}, kept on {home})")
+    count = f"{size / 4e9:.2f} B" if size >= 4e8 else f"{size / 4e6:.1f} M"
+    mem = f"{size / GIB:.1f} GiB" if size >= GIB else f"{size / 2**20:.0f} MiB"
+    phase(f"building the model ({count} parameters, {mem} in float32, drawn on {dev}, kept on {home})")
     t0 = time.perf_counter()
     model = build_random_transformer(config, dev, dtype=torch.float32, seed=0, home=home)
     sync()
     status["build_s"] = time.perf_counter() - t0
-    n = sum(p.numel() for p in model.parameters())
     if log is not None:
-        log(f"built {n / 1e9:.2f} B float32 parameters in {status['build_s']:.1f} s")
+        log(f"built in {status['build_s']:.1f} s")
     lat = (config["in_channels"], (frames - 1) // 4 + 1, height // 8, width // 8)
     gen = torch.Generator(device="cpu").manual_seed(1 + ctx.data_rank)   # an sp group: one clip
     latents = torch.randn(1, *lat, generator=gen).to(dev)
@@ -217,7 +216,7 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
     trainer = Trainer(cfg, model, ctx, torch.zeros(512, config["text_dim"]))
     if dev.type == "cuda":
         sync()
-        torch.cuda.empty_cache()   # the GPU copies FSDP2 offloaded (when built there) are free
+        torch.cuda.empty_cache()
         status["gpu_allocated_after_setup_gib"] = torch.cuda.memory_allocated(dev) / GIB
     status["trainer_setup_s"] = time.perf_counter() - t0
     if log is not None:

@@ -62,7 +62,8 @@ def test_parameter_bytes_counts_the_14b_model_without_building_it():
      "allocate 2.50 GiB. GPU 0 has a total capacity of 79.19 GiB"),
     ("build", RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't "
                            "allocate memory: you tried to allocate 283115520 bytes. Error code 12"),
-     "host out of memory while building the model (float32, drawn on cpu, kept on cpu): [enforce fail"),
+     "host out of memory while building the model (9.1 M parameters, 35 MiB in float32, drawn on "
+     "cpu, kept on cpu): [enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator"),
 ])
 def test_an_out_of_memory_row_ends_as_one_does_not_fit_line(monkeypatch, tmp_path, capsys, where,
                                                             error, expect):
