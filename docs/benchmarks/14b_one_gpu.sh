@@ -106,7 +106,8 @@ if rec is None or not rec.get("rows"):
     phases = [x.split(": ", 1)[1] for x in lines if x.startswith("bench train [") and ": " in x]
     where = phases[-1] if phases else "starting"
     if killed:
-        why, fits = f"did not finish within {limit} s (last: {where})", None
+        why, fits = (f"did not finish within {limit} s (last: {where}; host RSS {last:.1f} GiB at "
+                     f"the last one-second sample, {peak:.1f} GiB at most)"), None
     elif rc in (137, -9) or k1 > k0:
         seen = (f"the kernel's OOM killer ended it (cgroup oom_kill count +{k1 - k0})" if k1 > k0 else
                 "presumably the kernel's OOM killer (the cgroup's oom_kill count did not show it)")
