@@ -74,16 +74,26 @@ def parse_resolution(text: str) -> tuple[str, int, int]:
 
 
 def build_random_transformer(config: dict[str, Any], device: torch.device,
-                             dtype: torch.dtype = torch.bfloat16, seed: int = 0):
-    """A ``WanTransformer3DModel`` with random weights allocated directly on ``device``.
+                             dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                             home: torch.device | None = None):
+    """A ``WanTransformer3DModel`` with random weights, built on the meta device and materialized
+    parameter by parameter on ``device``.
 
     Parameters are ``dtype`` except the modules diffusers keeps in float32. Linear and conv
     weights ~ N(0, 0.02²), biases 0, norm weights 1, modulation tables ~ N(0, 1/dim) — enough to
-    keep activations finite through every layer; the values do not matter for timing.
+    keep activations finite through every layer; the values do not matter for timing. They are
+    drawn from one generator on ``device`` seeded with ``seed``, in parameter order: the same
+    weights for the same seed, config and kind of device.
+
+    ``home``: where the parameters end up (default ``device``). Each is drawn on ``device`` and
+    moved there at once, so a model too big for the GPU can be drawn on the GPU (fast) and kept in
+    CPU memory (a CPU draw of 14 B values takes minutes) — the GPU holds one parameter at a time.
+    The buffers (RoPE tables) are built normally, on the CPU, and moved to ``home``.
     """
     from accelerate import init_empty_weights
     from diffusers import WanTransformer3DModel
 
+    home = device if home is None else torch.device(home)
     with init_empty_weights():  # parameters on the meta device, buffers (RoPE tables) real
         model = WanTransformer3DModel(**config)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -101,10 +111,22 @@ def build_random_transformer(config: dict[str, Any], device: torch.device,
         else:
             t.normal_(0.0, 0.02, generator=gen)
         owner = model.get_submodule(".".join(parts[:-1])) if len(parts) > 1 else model
-        setattr(owner, parts[-1], torch.nn.Parameter(t, requires_grad=False))
-    model.to(device)
+        setattr(owner, parts[-1], torch.nn.Parameter(t.to(home), requires_grad=False))
+    model.to(home)
     model.eval()
     return model
+
+
+def parameter_bytes(config: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes the parameters of :func:`build_random_transformer`'s model take in ``dtype``
+    (counted on the meta device: nothing is allocated)."""
+    from accelerate import init_empty_weights
+    from diffusers import WanTransformer3DModel
+
+    with init_empty_weights():
+        model = WanTransformer3DModel(**config)
+    return sum(p.numel() * torch.empty((), dtype=param_dtype(model, n, dtype)).element_size()
+               for n, p in model.named_parameters())
 
 
 def bench_forward(model, *, height: int, width: int, frames: int, methods: Sequence[str],

@@ -107,6 +107,11 @@ def _add(subparsers, cmd: Command) -> None:
 _ARGV: list[str] = []
 
 
+def invocation() -> list[str]:
+    """The command line :func:`main` is running (``attnqat`` and its arguments), for records."""
+    return ["attnqat", *_ARGV]
+
+
 def _wants(cmd: Command) -> bool:
     """Import a feature module only when its command (or a help listing it) is being parsed."""
     return cmd.name in _ARGV
