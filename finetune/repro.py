@@ -1025,7 +1025,7 @@ def stage_ship(args) -> int:
     record["qat_weights_note"] = (note(record["training"]) + "; the embedded model's Attn-QAT "
                                   f"weights, evaluated in {_shown(args.doc)}")
     record["protocol"] = "docs/repro/protocol.md"
-    record["sha256"] = weights_sha256(args, None, run_key(args, args.ship_run, 0))
+    record["weights_sha256"] = weights_sha256(args, None, run_key(args, args.ship_run, 0))
     dst = args.ship_to
     tmp = dst.with_name(dst.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

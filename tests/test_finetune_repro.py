@@ -333,11 +333,15 @@ def test_readme_repro_table_matches_the_report_json():
         rows = [r.strip("|").split("|") for r in m.group(2).strip().splitlines()[2:]]
         for cells in rows:
             cells = [c.strip().replace("−", "-") for c in cells]
-            label = re.sub(r"\s*\(shipped\)$", "", cells[0].replace("**", ""))
+            label = re.sub(r"\s*\((shipped|\d seeds)\)$", "", cells[0].replace("**", ""))
             assert label in labels, f"README row {label!r} names no configuration"
             c = labels[label]
-            s = rep["summaries"][c]
-            k, n = round(s["all_correct"] * s["clips"]), s["clips"]
+            # a configuration of several training seeds: its clips pooled over the seeds
+            per = [rep["summaries"][c]] if c in rep["summaries"] else \
+                [v for key, v in rep["summaries"].items() if re.fullmatch(re.escape(c) + r"-s\d+", key)]
+            assert per, c
+            k = sum(round(s["all_correct"] * s["clips"]) for s in per)
+            n = sum(s["clips"] for s in per)
             lo, hi = wilson_interval(k, n)
             assert cells[1].replace("**", "") == f"{100 * k / n:.1f} % [{100 * lo:.1f}, {100 * hi:.1f}]", c
             if c == "base-bf16":
