@@ -57,7 +57,7 @@ def plot_runs(runs: list[Path], out: Path, *, labels: list[str] | None = None, s
         ax_loss.plot(step, moving_average(loss, smooth), color=colour, label=label, linewidth=1.6)
         ax_grad.plot(step, grad, color=colour, alpha=0.25, linewidth=0.7)
         ax_grad.plot(step, moving_average(grad, smooth), color=colour, label=label, linewidth=1.6)
-    ax_loss.set(xlabel="step", ylabel="flow-matching loss", title=f"loss ({smooth}-step mean)")
+    ax_loss.set(xlabel="step", ylabel="training loss (the run's objective)", title=f"loss ({smooth}-step mean)")
     ax_grad.set(xlabel="step", ylabel="gradient norm (before clipping)", yscale="log",
                 title="global gradient norm")
     for ax in (ax_loss, ax_grad):
