@@ -56,8 +56,9 @@ def protocol_committed(root: Path | None = None) -> tuple[bool, str]:
     """Whether ``PROTOCOL`` exists in ``root`` (default :data:`PROJECT_ROOT`) and is committed
     there, unmodified: ``(True, commit)`` or ``(False, the reason)``. Needs git and a checkout —
     or, in a copy without the project's ``.git``, :data:`PROTOCOL_ENV` naming the commit and the
-    blob the file must be byte-identical to (checked first whenever it is set) (the commit is then ``"COMMIT (blob BLOB, no .git here)"``, to be
-    checked against the project's history: ``git cat-file -p COMMIT:docs/repro/protocol.md``)."""
+    blob the file must be byte-identical to (checked first whenever it is set; the commit returned
+    is then ``"COMMIT (blob BLOB, named in ATTNQAT_PROTOCOL_COMMIT)"``, to be checked against the
+    project's history: ``git cat-file -p COMMIT:docs/repro/protocol.md``)."""
     import os
     import shutil
     import subprocess
@@ -71,7 +72,7 @@ def protocol_committed(root: Path | None = None) -> tuple[bool, str]:
             return False, f"{PROTOCOL_ENV} must be 'COMMIT BLOB', got {' '.join(named)!r}"
         if git_blob_id((root / PROTOCOL).read_bytes()) != named[1]:
             return False, f"{PROTOCOL} differs from the committed copy {PROTOCOL_ENV} names (blob {named[1]})"
-        return True, f"{named[0]} (blob {named[1]}, no .git here)"
+        return True, f"{named[0]} (blob {named[1]}, named in {PROTOCOL_ENV})"
     if shutil.which("git") is None:
         return False, f"git is not available to check that {PROTOCOL} is committed"
 
@@ -249,6 +250,7 @@ def similarity(clips: list[np.ndarray], reference: list[np.ndarray], workers: in
             "ssim": float(np.mean([s for _, s in pairs]))}
 
 
-__all__ = ["CONFIRMATORY", "DEVELOPMENT", "HeldoutInputs", "OUTSIDE_FIRST", "PROTOCOL", "PromptRangeError",
-           "PROTOCOL_ENV", "SUMMARY_KEYS", "check_prompt_range", "git_blob_id", "pairwise_similarity", "protocol_committed", "summarize_similarity", "generate_clips", "inputs", "score_all", "similarity",
+__all__ = ["CONFIRMATORY", "DEVELOPMENT", "HeldoutInputs", "OUTSIDE_FIRST", "PROTOCOL", "PROTOCOL_ENV",
+           "PromptRangeError", "SUMMARY_KEYS", "check_prompt_range", "generate_clips", "git_blob_id", "inputs",
+           "pairwise_similarity", "protocol_committed", "score_all", "similarity", "summarize_similarity",
            "summary_row"]

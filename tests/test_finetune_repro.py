@@ -200,7 +200,7 @@ def test_prompt_ranges_follow_the_evaluation_discipline(tmp_path, monkeypatch, c
         H.check_prompt_range(900, 500)
     monkeypatch.setenv(H.PROTOCOL_ENV, f"abc123 {blob}")
     assert H.check_prompt_range(900, 500) == "confirmatory"
-    assert H.protocol_committed(copy) == (True, f"abc123 (blob {blob}, no .git here)")
+    assert H.protocol_committed(copy) == (True, f"abc123 (blob {blob}, named in {H.PROTOCOL_ENV})")
     (copy / H.PROTOCOL).write_text("# protocol, changed after the fact\n")
     with pytest.raises(H.PromptRangeError, match="differs from the committed copy"):
         H.check_prompt_range(900, 500)
