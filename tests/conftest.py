@@ -54,6 +54,29 @@ def pytest_configure(config):
             "folder first on sys.path.")
 
 
+def _shares_a_module_fixture(item) -> bool:
+    """Whether the test uses a fixture set up once per module (a server, rendered clips, a model)."""
+    info = getattr(item, "_fixtureinfo", None)   # pytest's record of the test's fixtures
+    return info is not None and any(defs and defs[-1].scope in ("module", "package", "class")
+                                    for defs in info.name2fixturedefs.values())
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist with ``--dist loadgroup`` (``make test``, ``make test-fast``): the tests
+    of a module that use one of its module-scoped fixtures are one unit of work, run by one worker
+    (the server or the clips are made once), and the tests that read ``sass90`` are one unit
+    across their two modules (the sm_90 compile runs once); every other test is its own unit,
+    given to whichever worker is free. Runs before xdist turns the groups into the nodes' ids."""
+    if getattr(config.option, "dist", "no") != "loadgroup":
+        return
+    for item in items:
+        if "sass90" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("sass90"))
+        elif _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 def pytest_report_header(config):
     where, _ = _attnqat_location()
     return f"attnqat: {where}"
