@@ -44,11 +44,11 @@ browser:
 TEST_THREADS ?= 1
 
 # pytest-xdist workers (`make test TEST_JOBS=0` runs in one process). Two on the 2-core machine:
-# the CPU-bound tests run 1.7-1.8x faster (docs/development.md, "Tests"). `--dist loadgroup` with
-# the groups tests/conftest.py sets: a test module stays on one worker (its module-scoped servers
-# and fixtures start once), the sm_90 compile that two modules read runs once.
+# the CPU-bound tests run 1.7-1.8x faster (docs/development.md, "Tests"). Each test goes to
+# whichever worker is free (`--dist load`); a module-scoped fixture is made once per worker that
+# runs one of its tests.
 TEST_JOBS  ?= 2
-TEST_XDIST  = -n $(TEST_JOBS) --dist loadgroup
+TEST_XDIST  = -n $(TEST_JOBS) --dist load
 
 test: setup
 	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q $(TEST_XDIST)

@@ -54,29 +54,6 @@ def pytest_configure(config):
             "folder first on sys.path.")
 
 
-def _shares_a_module_fixture(item) -> bool:
-    """Whether the test uses a fixture set up once per module (a server, rendered clips, a model)."""
-    info = getattr(item, "_fixtureinfo", None)   # pytest's record of the test's fixtures
-    return info is not None and any(defs and defs[-1].scope in ("module", "package", "class")
-                                    for defs in info.name2fixturedefs.values())
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist with ``--dist loadgroup`` (``make test``, ``make test-fast``): the tests
-    of a module that use one of its module-scoped fixtures are one unit of work, run by one worker
-    (the server or the clips are made once), and the tests that read ``sass90`` are one unit
-    across their two modules (the sm_90 compile runs once); every other test is its own unit,
-    given to whichever worker is free. Runs before xdist turns the groups into the nodes' ids."""
-    if getattr(config.option, "dist", "no") != "loadgroup":
-        return
-    for item in items:
-        if "sass90" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("sass90"))
-        elif _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
 def pytest_report_header(config):
     where, _ = _attnqat_location()
     return f"attnqat: {where}"
@@ -84,8 +61,9 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def sass90(tmp_path_factory):
-    """``attnqat bench kernels --sass 90 --json FILE``, run once per session (it compiles every
-    kernel for sm_90, the slowest step of the suite) in a child process without the Triton
+    """``attnqat bench kernels --sass 90 --json FILE``, run once per session (under pytest-xdist
+    once per worker that runs a test reading it; it compiles every kernel for sm_90, the slowest
+    step of the suite on a cold Triton cache) in a child process without the Triton
     interpreter that the other CPU tests use; test_kernels_sass.py and test_kernels_gluon.py read
     it. Returns the finished process (its ``stdout``) and the JSON it wrote."""
     out = tmp_path_factory.mktemp("sass90") / "sass.json"
