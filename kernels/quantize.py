@@ -134,9 +134,10 @@ def e2m1_round_fast(y):
 
 @triton.jit
 def _quantize_subtile(X, Y, SHIFT, x_base, y_base, sh_base, rows, row_ok, col0, L,
-                      sx2, sxl, sy2, syl, ss2,
+                      sx2, sxl, sy2, syl, ss2, shift_group,
                       TR: tl.constexpr, TL: tl.constexpr, WRITE_PACKED: tl.constexpr,
-                      WRITE_DEQUANT: tl.constexpr, EVEN: tl.constexpr, HAS_SHIFT: tl.constexpr):
+                      WRITE_DEQUANT: tl.constexpr, EVEN: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                      SHIFT_ALONG_ROWS: tl.constexpr):
     """Quantize x[rows, col0:col0+TL]; store the dequantized values, return (packed codes
     [TR, TL/2] uint8, E4M3 scale bytes [TR, TL/16] uint8)."""
     cols = col0 + tl.arange(0, TL)
@@ -147,7 +148,11 @@ def _quantize_subtile(X, Y, SHIFT, x_base, y_base, sh_base, rows, row_ok, col0, 
     else:
         x = tl.load(x_ptrs, mask=ok, other=0.0).to(tl.float32)
     if HAS_SHIFT:
-        x = x - tl.load(SHIFT + sh_base + rows[:, None] * ss2 + cols[None, :], mask=ok, other=0.0)
+        if SHIFT_ALONG_ROWS:   # rows are tokens: shift_group consecutive ones share a shift row
+            sh_rows = rows // shift_group
+        else:
+            sh_rows = rows
+        x = x - tl.load(SHIFT + sh_base + sh_rows[:, None] * ss2 + cols[None, :], mask=ok, other=0.0)
     x3 = tl.reshape(x, [TR, TL // 16, 16])
     bits = x3.to(tl.int32, bitcast=True)
     abits = bits & 0x7FFFFFFF                            # |x| as bits
@@ -209,14 +214,15 @@ def _quantize_nvfp4_kernel(
     ss0, ss1, ss2, shift_group,
     TR: tl.constexpr, TL: tl.constexpr, SUB: tl.constexpr,
     WRITE_PACKED: tl.constexpr, WRITE_DEQUANT: tl.constexpr,
-    EVEN: tl.constexpr, HAS_SHIFT: tl.constexpr,
+    EVEN: tl.constexpr, HAS_SHIFT: tl.constexpr, SHIFT_ALONG_ROWS: tl.constexpr,
 ):
     """One program quantizes a [TR, SUB·TL] tile: TR consecutive indices of the innermost
     non-quantized axis r2 at one (r0, r1), and SUB·TL positions along the quantized axis (length
     L, zero-padded to a multiple of 16), in SUB (1, 2 or 4) sub-tiles whose codes are stored
     together. Codes and scales are written through their own strides (sc*, sk*; the last one along
     the quantized axis), Lp/2 and Lp/16 entries along it (Lp = L rounded up to 16). With HAS_SHIFT
-    the float32 SHIFT[r0, r1 // shift_group, r2, l] is subtracted first (sage3's smoothing)."""
+    the float32 SHIFT[r0, r1 // shift_group, r2, l] is subtracted first (sage3's smoothing), or
+    with SHIFT_ALONG_ROWS SHIFT[r0, r1, r2 // shift_group, l] (r1 the head, r2 the token)."""
     pid = tl.program_id(0)
     pid_l = tl.program_id(1)
     r01 = pid // n_rtiles
@@ -226,24 +232,31 @@ def _quantize_nvfp4_kernel(
     row_ok = rows < R2
     x_base = r0.to(tl.int64) * sx0 + r1.to(tl.int64) * sx1
     y_base = r0.to(tl.int64) * sy0 + r1.to(tl.int64) * sy1
-    sh_base = r0.to(tl.int64) * ss0 + (r1 // shift_group).to(tl.int64) * ss1
+    if SHIFT_ALONG_ROWS:
+        sh_base = r0.to(tl.int64) * ss0 + r1.to(tl.int64) * ss1
+    else:
+        sh_base = r0.to(tl.int64) * ss0 + (r1 // shift_group).to(tl.int64) * ss1
     col0 = pid_l * (TL * SUB)
     packed, sbits = _quantize_subtile(X, Y, SHIFT, x_base, y_base, sh_base, rows, row_ok, col0, L,
-                                      sx2, sxl, sy2, syl, ss2, TR, TL, WRITE_PACKED, WRITE_DEQUANT,
-                                      EVEN, HAS_SHIFT)
+                                      sx2, sxl, sy2, syl, ss2, shift_group, TR, TL, WRITE_PACKED,
+                                      WRITE_DEQUANT, EVEN, HAS_SHIFT, SHIFT_ALONG_ROWS)
     if SUB == 2:
         p1, s1 = _quantize_subtile(X, Y, SHIFT, x_base, y_base, sh_base, rows, row_ok, col0 + TL, L,
-                                   sx2, sxl, sy2, syl, ss2, TR, TL, WRITE_PACKED, WRITE_DEQUANT, EVEN, HAS_SHIFT)
+                                   sx2, sxl, sy2, syl, ss2, shift_group, TR, TL, WRITE_PACKED, WRITE_DEQUANT, EVEN,
+                                   HAS_SHIFT, SHIFT_ALONG_ROWS)
         if WRITE_PACKED:
             packed = _cat_cols(packed, p1, TR, TL // 2)
             sbits = _cat_cols(sbits, s1, TR, TL // 16)
     if SUB == 4:
         p1, s1 = _quantize_subtile(X, Y, SHIFT, x_base, y_base, sh_base, rows, row_ok, col0 + TL, L,
-                                   sx2, sxl, sy2, syl, ss2, TR, TL, WRITE_PACKED, WRITE_DEQUANT, EVEN, HAS_SHIFT)
+                                   sx2, sxl, sy2, syl, ss2, shift_group, TR, TL, WRITE_PACKED, WRITE_DEQUANT, EVEN,
+                                   HAS_SHIFT, SHIFT_ALONG_ROWS)
         p2, s2 = _quantize_subtile(X, Y, SHIFT, x_base, y_base, sh_base, rows, row_ok, col0 + 2 * TL, L,
-                                   sx2, sxl, sy2, syl, ss2, TR, TL, WRITE_PACKED, WRITE_DEQUANT, EVEN, HAS_SHIFT)
+                                   sx2, sxl, sy2, syl, ss2, shift_group, TR, TL, WRITE_PACKED, WRITE_DEQUANT, EVEN,
+                                   HAS_SHIFT, SHIFT_ALONG_ROWS)
         p3, s3 = _quantize_subtile(X, Y, SHIFT, x_base, y_base, sh_base, rows, row_ok, col0 + 3 * TL, L,
-                                   sx2, sxl, sy2, syl, ss2, TR, TL, WRITE_PACKED, WRITE_DEQUANT, EVEN, HAS_SHIFT)
+                                   sx2, sxl, sy2, syl, ss2, shift_group, TR, TL, WRITE_PACKED, WRITE_DEQUANT, EVEN,
+                                   HAS_SHIFT, SHIFT_ALONG_ROWS)
         if WRITE_PACKED:
             packed = _cat_cols(_cat_cols(packed, p1, TR, TL // 2), _cat_cols(p2, p3, TR, TL // 2), TR, TL)
             sbits = _cat_cols(_cat_cols(sbits, s1, TR, TL // 16), _cat_cols(s2, s3, TR, TL // 16), TR, TL // 8)
@@ -287,7 +300,8 @@ def _collapse(shape, *stride_lists):
 
 
 def _launch(x: torch.Tensor, dim: int, packed: bool, dequant_dtype: torch.dtype | None,
-            shift: torch.Tensor | None = None, shift_group: int = 1, tile: tuple | None = None):
+            shift: torch.Tensor | None = None, shift_group: int = 1, tile: tuple | None = None,
+            shift_rows: str | None = None):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _IN_DTYPES:
@@ -323,12 +337,24 @@ def _launch(x: torch.Tensor, dim: int, packed: bool, dequant_dtype: torch.dtype 
         if x.dim() != 4 or d != 3 or shift.dtype != torch.float32 or shift.stride(3) != 1:
             raise ValueError("a shift needs a (B, S, H, D) input quantized along D and a float32 "
                              "(B, S/group, H, D) shift with contiguous D")
-        n0, n1, n2 = rest_shape
-        xs = [x.stride(i) for i in rest]
-        yst = [ys[i] for i in rest]
-        cst = [cs[i] for i in rest]
-        kst = [ks[i] for i in rest]
-        sst = shift.stride()[:3]
+        # Rows of a program's tile: the heads of one token (the GPU's layout and tiles, kept as
+        # measured there), or under the interpreter the tokens of one head. The interpreter's
+        # cost is per program, nearly whatever its tile holds: one program per token (200 + 300
+        # for Q and K of a 200×300 test with 2 heads, ~10 ms each, 5.6 s) made sage3 the slowest
+        # part of the CPU suite; tiles of up to 64 tokens launch 25-30× fewer programs (0.25 s;
+        # quiet 2-core CPU, 2026-11-26). Every value is computed the same way in both layouts (the
+        # 16-element blocks lie along D): the output is bit for bit the same
+        # (test_kernels.py::test_quantize_with_a_shift_bit_identical_in_both_row_layouts).
+        shift_rows = shift_rows or ("tokens" if INTERPRET.value else "heads")
+        if shift_rows not in ("tokens", "heads"):
+            raise ValueError(f"shift_rows must be 'tokens' or 'heads', got {shift_rows!r}")
+        order = [0, 2, 1] if shift_rows == "tokens" else [0, 1, 2]   # (B, H, S) or (B, S, H)
+        n0, n1, n2 = (rest_shape[i] for i in order)
+        xs = [x.stride(rest[i]) for i in order]
+        yst = [ys[rest[i]] for i in order]
+        cst = [cs[rest[i]] for i in order]
+        kst = [ks[rest[i]] for i in order]
+        sst = [shift.stride(i) for i in order]
     # tiles: the fastest measured on the H100 for each output (docs/kernels_notes.md)
     sub = 1
     packed_only = packed and y is None
@@ -357,7 +383,8 @@ def _launch(x: torch.Tensor, dim: int, packed: bool, dequant_dtype: torch.dtype 
         n0 * n1, n1, n2, L, n_rtiles, *xs, x.stride(d), *yst, ys[d], *cst, cs[d], *kst, ks[d],
         *sst, shift_group,
         TR=TR, TL=TL, SUB=sub, WRITE_PACKED=packed, WRITE_DEQUANT=y is not None,
-        EVEN=(n2 % TR == 0) and (L % (TL * sub) == 0), HAS_SHIFT=shift is not None, num_warps=warps,
+        EVEN=(n2 % TR == 0) and (L % (TL * sub) == 0), HAS_SHIFT=shift is not None,
+        SHIFT_ALONG_ROWS=shift is not None and shift_rows == "tokens", num_warps=warps,
     )
     return d, codes, scales, y
 

@@ -61,8 +61,9 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def sass90(tmp_path_factory):
-    """``attnqat bench kernels --sass 90 --json FILE``, run once per session (it compiles every
-    kernel for sm_90, the slowest step of the suite) in a child process without the Triton
+    """``attnqat bench kernels --sass 90 --json FILE``, run once per session (under pytest-xdist
+    once per worker that runs a test reading it; it compiles every kernel for sm_90, the slowest
+    step of the suite on a cold Triton cache) in a child process without the Triton
     interpreter that the other CPU tests use; test_kernels_sass.py and test_kernels_gluon.py read
     it. Returns the finished process (its ``stdout``) and the JSON it wrote."""
     out = tmp_path_factory.mktemp("sass90") / "sass.json"

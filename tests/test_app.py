@@ -346,6 +346,7 @@ def test_the_queue_bound_holds_for_simultaneous_clients(local, monkeypatch):
     assert sorted(outcome) == sorted(["served"] * QUEUE + ["refused"] * (12 - QUEUE)), outcome
 
 
+@pytest.mark.slow   # the in-process app server: about 10 s with its start
 def test_failure_inside_generation_then_the_next_request_works(local):
     from gradio_client.exceptions import AppError
 
@@ -375,6 +376,7 @@ def test_failure_inside_generation_then_the_next_request_works(local):
 # Round 3 (#34): the 4-bit error against the same weights, seed sweeps, the API page's types
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.subprocess
 def test_attnqat_error_is_against_its_own_weights_and_drift_is_apart(server):
     """Defect 4: Attn-QAT's PSNR/SSIM compare it with its own (fine-tuned) weights in BF16; the
     fine-tuning drift from the base BF16 clip is recorded apart, with a line saying which is
@@ -407,6 +409,7 @@ def test_attnqat_error_is_against_its_own_weights_and_drift_is_apart(server):
     assert GenerationRecord.from_dict(old).weights_drift is None
 
 
+@pytest.mark.subprocess
 def test_a_seed_sweep_through_the_api(server):
     """Feature 9: one prompt × N seeds, every method; per-method PSNR/SSIM vs BF16 and the tiny
     model's procedural score, with mean and spread, and a plot."""
@@ -439,6 +442,7 @@ def test_a_seed_sweep_through_the_api(server):
     assert "seeds" in str(info.value) and "2 to" in str(info.value)
 
 
+@pytest.mark.subprocess
 def test_the_api_page_types_integers_and_shows_a_prompt_the_model_can_draw(server):
     """Defect 6: seed, steps and frames are integers on the API page; its example prompt is one of
     the model's, not gradio's "Hello!!"."""

@@ -99,6 +99,7 @@ def _end_record(out: Path) -> dict:
     return [r for r in recs if r["kind"] == "event"][-1]
 
 
+@pytest.mark.subprocess   # the trainer in a child process
 def test_a_clip_that_cannot_be_read_ends_the_run_with_one_line(model, tmp_path):
     data = tmp_path / "clips"
     write_clips(data, 6)
@@ -113,6 +114,7 @@ def test_a_clip_that_cannot_be_read_ends_the_run_with_one_line(model, tmp_path):
     assert end["event"] == "end" and end["status"] == 2 and "clip03.mp4" in end["error"]
 
 
+@pytest.mark.subprocess   # the trainer in a child process
 def test_a_disk_that_fills_while_checkpointing_ends_the_run(model, tmp_path):
     """The files the run may write are limited to 256 KiB (RLIMIT_FSIZE): the checkpoint's model
     and AdamW shards (~1.6 MB here) fail to write as they would on a full disk."""
@@ -168,6 +170,7 @@ def test_an_unwritable_out_is_refused_before_the_model_loads(model, tmp_path, ca
     assert err.count("\n") == 1 and f"{blocker} is not a folder" in err
 
 
+@pytest.mark.subprocess   # the trainer in a child process
 def test_an_error_in_a_step_ends_the_run_and_the_logs_say_so(model, tmp_path):
     """Any exception escaping the loop (here one raised by the 3rd micro-step) ends the run; the
     log's and TensorBoard's `end` record its status."""
@@ -200,6 +203,7 @@ def test_an_error_in_a_step_ends_the_run_and_the_logs_say_so(model, tmp_path):
     assert [(e.step, e.value) for e in tb.Scalars("event/status")] == [(2, 1.0)]
 
 
+@pytest.mark.subprocess   # the trainer in a child process
 def test_a_closed_output_pipe_ends_the_run(model, tmp_path):
     """`PYTHONUNBUFFERED=1 attnqat finetune train ... | head -1`: the first line is read, the
     pipe closed; the next line (a validation result) cannot be written."""
@@ -213,6 +217,7 @@ def test_a_closed_output_pipe_ends_the_run(model, tmp_path):
     assert "the output was closed" in run.stderr and "Traceback" not in run.stderr
 
 
+@pytest.mark.subprocess   # the trainer in a child process
 def test_a_second_ctrl_c_ends_the_run_at_once(model, tmp_path):
     """Ctrl-C reaches the whole foreground process group. The first asks for a checkpoint at the
     end of the step (a long one: 20 micro-steps); the second ends the run."""
@@ -229,6 +234,7 @@ def test_a_second_ctrl_c_ends_the_run_at_once(model, tmp_path):
     assert not list((tmp_path / "int").rglob("*.tmp"))   # a checkpoint cut short is removed
 
 
+@pytest.mark.subprocess   # the trainer in a child process
 def test_sigterm_to_the_group_still_saves_a_checkpoint_with_workers(model, tmp_path):
     """The workers ignore a scheduler's SIGTERM while the loop saves; then everything ends."""
     run = Run(model, tmp_path / "term", "--steps", "400", "--batch-size", "2",

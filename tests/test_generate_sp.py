@@ -50,6 +50,7 @@ def test_generate_sp2_gives_the_one_process_clips(tmp_path):
     assert ra["seed"] == rb["seed"] == 7
 
 
+@pytest.mark.subprocess   # `attnqat generate` as a child process
 def test_generate_sp_needs_torchrun(tmp_path):
     res = subprocess.run([sys.executable, "-m", "attnqat.cli", "generate", *ARGS, "--sp", "2",
                           "--out", str(tmp_path / "x")], cwd=REPO, env={

@@ -128,6 +128,27 @@ def test_quantize_ragged_lengths_pad_with_zero_codes():
         assert_same_quantization(x.t(), 0)
 
 
+@pytest.mark.parametrize("outliers", [False, True], ids=["randn", "outliers"])
+def test_quantize_with_a_shift_bit_identical_in_both_row_layouts(outliers):
+    """sage3's smoothing inside the quantize kernel: x − shift (float32, one shift row per group of
+    tokens) quantized along head_dim is the reference's fake quantization of the float32
+    difference, bit for bit, whether a program's rows are the heads of a token (the GPU's layout)
+    or the tokens of a head (the interpreter's default)."""
+    q, k, _ = make_qkv(B=2, Sq=70, H=3, D=64, outliers=outliers, seed=31)
+    g = torch.Generator().manual_seed(32)
+    for x, group in ((q, 16), (k, k.shape[1])):       # query-block means, the key mean
+        n = -(-x.shape[1] // group)
+        shift = (torch.randn(2, n, 3, 64, generator=g) * (4.0 if outliers else 0.5)).to(DEV)
+        full = shift.repeat_interleave(group, dim=1)[:, :x.shape[1]]
+        want = attnqat.fake_quantize_nvfp4(x.float() - full, -1).to(x.dtype)
+        for rows in ("tokens", "heads"):
+            _, _, _, got = kq._launch(x, -1, packed=False, dequant_dtype=x.dtype, shift=shift,
+                                      shift_group=group, shift_rows=rows)
+            assert got.dtype == x.dtype and torch.equal(got, want), rows
+    with pytest.raises(ValueError, match="shift_rows"):
+        kq._launch(q, -1, packed=False, dequant_dtype=q.dtype, shift=shift, shift_group=1, shift_rows="x")
+
+
 def test_quantize_rejects_what_it_cannot_take():
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         kq.quantize_nvfp4(torch.zeros(4, 16, dtype=torch.float64, device=DEV))

@@ -78,4 +78,7 @@ def test_test_fast_leaves_out_only_registered_markers_and_test_runs_everything()
     assert expr == " and ".join(f"not {m}" for m in re.findall(r"not (\w+)", expr))
     ini = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
     assert left_out <= {m.split(":")[0] for m in ini["markers"]}
-    assert recipe("test").endswith("-m pytest -q")
+    # both spread the tests over pytest-xdist workers; `make test` selects by no marker
+    xdist = "-n 2 --dist load"
+    assert fast.endswith(f'-m "{expr}" {xdist}')
+    assert recipe("test").endswith(f"-m pytest -q {xdist}")

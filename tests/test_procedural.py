@@ -53,6 +53,7 @@ def test_ground_truth_is_scored_correct(ground_truth):
     assert seen["motion"] == set(S.MOTIONS)
 
 
+@pytest.mark.slow   # the 160 rendered and analysed clips of ground_truth: about 10 s
 def test_swapped_captions_score_at_chance(ground_truth):
     """Each clip against another clip's caption: the evaluator must agree with what a perfect
     judge (the true attributes) says, so its accuracy is the chance agreement of the pairs."""

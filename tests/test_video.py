@@ -97,6 +97,7 @@ def test_psnr_and_ssim():
         video.psnr(clip, clip[:-1])
 
 
+@pytest.mark.subprocess   # a Python child process whose stdin the test feeds
 def test_ffmpeg_never_reads_the_callers_stdin(tmp_path):
     """Inside ``while read p; do attnqat generate …; done < prompts.txt`` every ffmpeg call
     inherits the loop's stdin; without ``-nostdin`` ffmpeg reads it as keyboard input and eats
