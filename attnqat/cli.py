@@ -153,4 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m attnqat.cli` runs this file as __main__, a second copy of the module: run the
+    # package's own, so that what records read from it (invocation()) is what this run parsed
+    from attnqat.cli import main as _package_main
+
+    sys.exit(_package_main())

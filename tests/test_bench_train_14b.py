@@ -184,4 +184,5 @@ def test_script_runs_real_rows_on_a_tiny_model(tmp_path):
         row = rec["rows"][0]
         assert row["fits"] is True and row["lora_rank"] == lora and row["offload"] is offload
         assert rec["exit"] == 0 and rec["config"] == "tiny"
+        assert rec["command"][:5] == ["attnqat", "bench", "train", "--config", "tiny"]   # python -m attnqat.cli
     assert "tiny Attn-QAT training step, 32x32, 5 frames" in done.stdout
