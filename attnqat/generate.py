@@ -627,13 +627,39 @@ def decode(models: WanModels, latents: torch.Tensor) -> np.ndarray:
     return vid.to_uint8_frames(frames)
 
 
+def _timed_denoise(models: WanModels, transformer, settings: GenerationSettings, lat0: torch.Tensor, pe,
+                   ne, desc: str, progress: bool, on_step: Callable[[int], None]) -> tuple[torch.Tensor, float]:
+    """Denoise ``lat0`` with ``transformer`` on its device, a progress bar named ``desc`` and
+    ``on_step(i)`` after each step; the latents and the seconds it took (device-synchronized)."""
+    from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm.auto probes for notebooks: only when generating)
+
+    dev = models.device
+    bar = tqdm(total=settings.steps, desc=desc, unit="step", disable=not progress, file=sys.stderr,
+               dynamic_ncols=True)
+
+    def stepped(i: int) -> None:
+        bar.update(1)
+        on_step(i)
+
+    try:
+        with models.on_device(transformer):
+            _sync(dev)
+            t1 = time.perf_counter()
+            latents = denoise(transformer, models.pipe.scheduler, lat0, pe, ne, steps=settings.steps,
+                              guidance=settings.guidance, shift=settings.shift, device=dev,
+                              on_step=stepped)
+            _sync(dev)
+            return latents, time.perf_counter() - t1
+    finally:
+        bar.close()
+
+
 def _run_slot(models: WanModels, settings: GenerationSettings, slot: str, pe, ne, lat0: torch.Tensor,
               emit: Callable[..., None], *, t_text: float, progress: bool,
               log: Callable[[str], None] | None,
               error_map: bool = False) -> tuple[np.ndarray, MethodRecord, dict[str, Any] | None]:
     """Denoise and decode one generation slot; its frames, its record (without comparisons) and,
     with ``error_map`` for a method other than the reference, its attention-error map."""
-    from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm.auto probes for notebooks: only when generating)
 
     dev = models.device
     transformer = models.transformer_for(slot)
@@ -647,27 +673,16 @@ def _run_slot(models: WanModels, settings: GenerationSettings, slot: str, pe, ne
         proc.observer = observer
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    bar = tqdm(total=settings.steps, desc=f"{slot:>7}", unit="step", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
-
-    def stepped(i: int, slot: str = slot) -> None:
-        bar.update(1)
+    def stepped(i: int) -> None:
         if observer is not None:
             observer.next_step()
         emit("denoising", slot, i + 1)
 
     try:
         emit("denoising", slot, 0)
-        with models.on_device(transformer):
-            _sync(dev)
-            t1 = time.perf_counter()
-            latents = denoise(transformer, models.pipe.scheduler, lat0, pe, ne, steps=settings.steps,
-                              guidance=settings.guidance, shift=settings.shift, device=dev,
-                              on_step=stepped)
-            _sync(dev)
-            t_denoise = time.perf_counter() - t1
+        latents, t_denoise = _timed_denoise(models, transformer, settings, lat0, pe, ne, f"{slot:>7}",
+                                            progress, stepped)
     finally:
-        bar.close()
         proc.observer = previous_observer
     emap = None
     if observer is not None:
@@ -838,7 +853,6 @@ def weights_reference_clip(models: WanModels, settings: GenerationSettings, lat0
     ``emit(phase, WEIGHTS_REFERENCE, step)`` as a method would. ``slot``: the generation slot on
     the fine-tuned weights whose reference this is (its label names the weights; None: the first
     such slot of the registry)."""
-    from tqdm.auto import tqdm  # noqa: PLC0415  (tqdm.auto probes for notebooks: only when generating)
 
     if slot is None:
         slot = next(m for m in registry.generation() if registry.uses_finetuned(m))
@@ -848,27 +862,14 @@ def weights_reference_clip(models: WanModels, settings: GenerationSettings, lat0
     proc = set_method(transformer, registry.REFERENCE, fp4_scope=settings.fp4_scope,
                       backend=settings.backend)
     proc.reset_stats()
-    bar = tqdm(total=settings.steps, desc="ref bf16", unit="step", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
-
     def stepped(i: int) -> None:
-        bar.update(1)
         if emit is not None:
             emit("denoising", WEIGHTS_REFERENCE, i + 1)
 
-    try:
-        if emit is not None:
-            emit("denoising", WEIGHTS_REFERENCE, 0)
-        with models.on_device(transformer):
-            _sync(dev)
-            t1 = time.perf_counter()
-            latents = denoise(transformer, models.pipe.scheduler, lat0, pe, ne, steps=settings.steps,
-                              guidance=settings.guidance, shift=settings.shift, device=dev,
-                              on_step=stepped)
-            _sync(dev)
-            t_denoise = time.perf_counter() - t1
-    finally:
-        bar.close()
+    if emit is not None:
+        emit("denoising", WEIGHTS_REFERENCE, 0)
+    latents, t_denoise = _timed_denoise(models, transformer, settings, lat0, pe, ne, "ref bf16", progress,
+                                        stepped)
     stats = proc.stats()
     if emit is not None:
         emit("decoding", WEIGHTS_REFERENCE, settings.steps)
