@@ -77,9 +77,16 @@ RUNS: dict[str, tuple[str, str | None, str]] = {
     "p2off": ("attnqat", "d_from_o", "Attn-QAT, principle 2 off (D from O)"),
     "p1off": ("attnqat", "p_unquantized", "Attn-QAT, principle 1 off (P not re-quantized)"),
     "qad": ("attnqat", None, "Attn-QAT, distillation objective"),
+    **{f"qad-lora{r}": ("attnqat", None, f"Attn-QAT, distillation objective, LoRA rank {r}")
+       for r in (8, 32, 128)},
+    "sagebwd": ("sagebwd", None, "SageBwd (INT8) fine-tuning"),
 }
+#: the runs `--runs` names when not given (the LoRA and SageBwd runs are asked for by name)
+DEFAULT_RUNS = ("attnqat", "bf16", "dropin", "p2off", "p1off", "qad")
 #: the training objective of a run (``attnqat finetune train --objective``); unnamed runs: flow
-RUN_OBJECTIVE: dict[str, str] = {"qad": "distill"}
+RUN_OBJECTIVE: dict[str, str] = {"qad": "distill", **{f"qad-lora{r}": "distill" for r in (8, 32, 128)}}
+#: LoRA runs: their rank (``--lora-rank``); exported with the adapter merged into the base
+RUN_LORA: dict[str, int] = {f"qad-lora{r}": r for r in (8, 32, 128)}
 #: configuration → (weights: "base" or a run, attention at inference, label)
 CONFIGS: dict[str, tuple[str, str, str]] = {
     **{f"base-{m}": ("base", m, f"base, {registry.label(m)} attention") for m in registry.inference()},
@@ -92,6 +99,10 @@ CONFIGS: dict[str, tuple[str, str, str]] = {
     "p1off-nvfp4": ("p1off", "nvfp4", "principle 1 off, NVFP4 attention"),
     "qad-nvfp4": ("qad", "nvfp4", "Attn-QAT (distill), NVFP4 attention"),
     "qad-bf16": ("qad", "bf16", "Attn-QAT (distill), BF16 attention"),
+    **{f"qad-lora{r}-{m}": (f"qad-lora{r}", m, f"Attn-QAT (distill) LoRA r{r}, {registry.label(m)} attention")
+       for r in (8, 32, 128) for m in ("nvfp4", "bf16")},
+    **{f"sbwd-{m}": ("sagebwd", m, f"SageBwd fine-tuned, {registry.label(m)} attention")
+       for m in ("sagebwd", "nvfp4", "bf16")},
 }
 #: paired comparisons of the report (A, B): A's all-correct rate minus B's
 #: (the base model with each other 4-bit inference method of the registry is compared, as sage3 is, with
@@ -105,7 +116,12 @@ PAIRS = (("qat-nvfp4", "base-bf16"), ("qat-nvfp4", "base-nvfp4"), ("qat-nvfp4", 
          ("control-bf16", "base-bf16"), ("control-nvfp4", "control-bf16"),
          ("dropin-nvfp4", "base-bf16"), ("p2off-nvfp4", "base-bf16"), ("p1off-nvfp4", "base-bf16"),
          ("qad-nvfp4", "base-bf16"), ("qad-nvfp4", "base-nvfp4"), ("qad-nvfp4", "qat-nvfp4"),
-         ("qad-nvfp4", "qad-bf16"))
+         ("qad-nvfp4", "qad-bf16"),
+         # how much of full fine-tuning's NVFP4 recovery LoRA keeps (issue 37), per rank
+         *((f"qad-lora{r}-nvfp4", b) for r in (8, 32, 128) for b in ("base-nvfp4", "qad-nvfp4")),
+         # SageBwd fine-tuning with its own INT8 attention and with NVFP4 (SageAttention3 Table 5)
+         ("sbwd-sagebwd", "base-bf16"), ("sbwd-sagebwd", "base-sagebwd"), ("sbwd-nvfp4", "base-nvfp4"),
+         ("sbwd-nvfp4", "qat-nvfp4"), ("sbwd-nvfp4", "control-nvfp4"), ("sbwd-bf16", "control-bf16"))
 #: the 4-bit cost of a weight set is its NVFP4 configuration minus its BF16 one; Attn-QAT's is
 #: compared with the control's and the base's (claim 2 is that QAT makes the weights robust to it)
 COSTS = (("qat", "control"), ("qat", "base"), ("qad", "control"), ("qad", "base"))
@@ -119,8 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="working folder: runs/, export/, eval/ (continued across calls)")
     parser.add_argument("--stages", default="train,eval,report",
                         help=f"comma-separated stages, in order: {', '.join(STAGES)}")
-    parser.add_argument("--runs", default=",".join(RUNS),
-                        help=f"the fine-tuning runs to train and evaluate: {', '.join(RUNS)}")
+    parser.add_argument("--runs", default=",".join(DEFAULT_RUNS),
+                        help=f"the fine-tuning runs to train and evaluate: {', '.join(RUNS)} (default: "
+                             f"{','.join(DEFAULT_RUNS)})")
     parser.add_argument("--model", default=str(TINY_MODEL_DIR), help="the base pipeline")
     parser.add_argument("--steps", type=int, default=1200, help="optimizer steps of every run")
     parser.add_argument("--batch-size", type=int, default=32, help="clips per step")
@@ -238,6 +255,8 @@ def train_args(args, name: str, seed: int | None = None) -> list[str]:
         a += ["--ablation", ablation, "--backend", "torch"]
     if name in RUN_OBJECTIVE:
         a += ["--objective", RUN_OBJECTIVE[name]]
+    if name in RUN_LORA:
+        a += ["--lora-rank", str(RUN_LORA[name])]
     if args.start_from is not None:
         a += ["--transformer", _shown(_start_weights(args, name, seed))]
     if args.size is not None:
@@ -286,7 +305,7 @@ def stage_train(args, runs: list[str]) -> int:
         dst = args.work / "export" / name
         if not (dst / "attnqat.json").is_file() or \
                 json.loads((dst / "attnqat.json").read_text())["training"]["steps"] < args.steps:
-            export(out, dst)
+            export(out, dst, merge=run_name in RUN_LORA)   # LoRA: the base with the adapter fused in
             log(f"exported {name} to {dst}")
     return 0
 

@@ -352,3 +352,30 @@ def test_readme_repro_table_matches_the_report_json():
             assert cells[2].replace("-0.0", "+0.0") == want.replace("-0.0", "+0.0"), c
             checked += 1
     assert checked >= 3
+
+
+def test_lora_and_sagebwd_runs(tmp_path):
+    """The LoRA runs (issue 37: distillation with --lora-rank R, exported merged) and the SageBwd run
+    (issue 33: evaluated with its own INT8 attention and with NVFP4) train, export and evaluate like
+    any run; the default --runs leaves them out."""
+    from attnqat.sidecar import read
+
+    assert "qad-lora8" not in R.DEFAULT_RUNS and "sagebwd" not in R.DEFAULT_RUNS
+    model = small_model(tmp_path / "small-wan")
+    work = tmp_path / "work"
+    args = ["--work", str(work), "--model", str(model), "--runs", "qad-lora8,sagebwd", "--steps", "1",
+            "--batch-size", "1", "--warmup", "0", "--eval-prompts", "2", "--eval-offset", "5",
+            "--eval-batch", "2", "--workers", "0", "--device", "cpu", "--doc", str(tmp_path / "r.md"),
+            "--configs", "base-bf16,base-nvfp4,qad-lora8-nvfp4,sbwd-sagebwd,sbwd-nvfp4"]
+    assert R.main([*args, "--stages", "train,eval,report"]) == 0
+    cfg = json.loads((work / "runs" / "qad-lora8" / "config.json").read_text())
+    assert cfg["lora_rank"] == 8 and cfg["objective"] == "distill"
+    assert json.loads((work / "runs" / "sagebwd" / "config.json").read_text())["attention"] == "sagebwd"
+    # the LoRA export is a whole transformer (the adapter merged), which the eval stage loads
+    assert (work / "export" / "qad-lora8" / "diffusion_pytorch_model.safetensors").is_file()
+    assert read(work / "export" / "qad-lora8").training["lora_rank"] == 8
+    recs = {p.name.removesuffix(".json"): json.loads(p.read_text()) for p in (work / "eval").iterdir()}
+    assert recs["sbwd-sagebwd"]["attention"] == "sagebwd" and recs["sbwd-nvfp4"]["attention"] == "nvfp4"
+    assert recs["qad-lora8-nvfp4"]["weights"] == "qad-lora8"
+    rep = json.loads((work / "report.json").read_text())
+    assert {"qad-lora8-nvfp4 vs base-nvfp4", "sbwd-nvfp4 vs base-nvfp4"} <= set(rep["pairs"])
