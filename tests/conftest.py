@@ -66,10 +66,24 @@ def sass90(tmp_path_factory):
     step of the suite on a cold Triton cache) in a child process without the Triton
     interpreter that the other CPU tests use; test_kernels_sass.py and test_kernels_gluon.py read
     it. Returns the finished process (its ``stdout``) and the JSON it wrote."""
-    out = tmp_path_factory.mktemp("sass90") / "sass.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-m", "attnqat.cli", "bench", "kernels", "--sass", "90",
-                          "--json", str(out)], cwd=out.parent, env=env, capture_output=True,
-                         text=True, timeout=900, check=False)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    return res, json.loads(out.read_text())
+    import fcntl
+
+    # under pytest-xdist the workers share the base temp folder's parent: the first to get the
+    # lock compiles, the others wait and read its result (on a cold Triton cache, as on CI, the
+    # compile takes minutes: two workers compiling the same kernels at once doubled it)
+    shared = tmp_path_factory.getbasetemp().parent
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        shared = tmp_path_factory.mktemp("sass90")
+    out, log = shared / "sass90.json", shared / "sass90.out"
+    with open(shared / "sass90.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_file():
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            res = subprocess.run([sys.executable, "-m", "attnqat.cli", "bench", "kernels", "--sass", "90",
+                                  "--json", str(out) + ".tmp"], cwd=shared, env=env, capture_output=True,
+                                 text=True, timeout=900, check=False)
+            assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+            log.write_text(res.stdout)
+            os.replace(str(out) + ".tmp", out)
+    return subprocess.CompletedProcess(["attnqat", "bench", "kernels", "--sass", "90"], 0,
+                                       log.read_text(), ""), json.loads(out.read_text())
