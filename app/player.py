@@ -336,6 +336,16 @@ def _eta(seconds: float | None, rough: bool = False) -> str:
         " (a guess: an attention method still to run has not been timed yet)" if rough else "")
 
 
+#: the class of every message a request shows before its last word (queued, progress); a box that
+#: still holds one after the request has ended was stopped (:func:`in_flight`)
+IN_FLIGHT = "aq-inflight"
+
+
+def in_flight(html_text: str | None) -> bool:
+    """Whether a status box's HTML is a queued or progress message, not a request's last word."""
+    return IN_FLIGHT in (html_text or "")
+
+
 def render_progress(snapshot: dict[str, Any], headline: str) -> str:
     """One bar per method (denoising steps, then decoding) under a headline with the elapsed time
     and an estimate of the time left."""
@@ -355,7 +365,7 @@ def render_progress(snapshot: dict[str, Any], headline: str) -> str:
             f'aria-valuemin="0" aria-valuemax="100" aria-valuenow="{pct:.0f}">'
             f'<div style="width: {pct:.1f}%"></div></div>'
             f'<span class="aq-pstate">{_esc(text)}</span></div>')
-    return (f'<div class="aq-progress" data-phase="{_esc(snapshot["phase"])}">'
+    return (f'<div class="aq-progress {IN_FLIGHT}" data-phase="{_esc(snapshot["phase"])}">'
             f'<div class="aq-progress-head">{_esc(headline)} · {snapshot["elapsed_s"]:.1f} s · '
             f'<span class="aq-eta">{_esc(_eta(snapshot.get("eta_s"), snapshot.get("eta_rough", False)))}'
             '</span></div>'
@@ -363,8 +373,13 @@ def render_progress(snapshot: dict[str, Any], headline: str) -> str:
 
 
 def render_queued() -> str:
-    return ('<div class="aq-msg aq-idle aq-queued">Queued: the generation starts as soon as the one '
-            'before it has finished (the position in the queue is shown here while it waits).</div>')
+    return (f'<div class="aq-msg aq-idle aq-queued {IN_FLIGHT}">Queued: the generation starts as soon '
+            'as the one before it has finished (the position in the queue is shown here while it '
+            'waits).</div>')
+
+
+def render_stopped(what: str = "generation") -> str:
+    return render_error(f"the {what} was stopped; nothing was kept.", "Stopped")
 
 
 def render_plan(settings, service, errors: dict[str, str] | None = None) -> str:
@@ -600,4 +615,5 @@ def read_error_map(path: str | None) -> dict[str, Any] | None:
 __all__ = ["ResultView", "file_url", "fmt_bytes", "fmt_seconds", "method_label", "metric_rows",
            "humanize_note", "read_error_map", "read_static", "receipt_lines", "render_error_map",
            "render_history", "render_sweep", "record_notes", "render_receipt", "render_error", "render_input_errors", "render_notes",
-           "render_plan", "render_player", "render_progress", "render_queued", "render_summary"]
+           "render_plan", "render_player", "render_progress", "render_queued", "render_stopped",
+           "render_summary", "IN_FLIGHT", "in_flight"]

@@ -40,10 +40,10 @@ from attnqat.sweep import parse_seeds, render_plot
 from attnqat.tiny import ASSETS_DIR, TINY_MODEL_DIR
 from attnqat.wan import dtype_name
 
-from .player import (ResultView, method_label, read_error_map, read_static, render_error,
-                     render_error_map, render_history, render_input_errors, render_notes,
-                     render_plan, render_player, render_progress, render_queued, render_sweep,
-                     render_summary)
+from .player import (IN_FLIGHT, ResultView, in_flight, method_label, read_error_map, read_static,
+                     render_error, render_error_map, render_history, render_input_errors,
+                     render_notes, render_plan, render_player, render_progress, render_queued,
+                     render_stopped, render_summary, render_sweep)
 from .service import (FIELDS, AppService, GenerationCancelled, GenerationFailed, RunOutput,
                       describe_errors)
 
@@ -599,6 +599,14 @@ def wire(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
 
     busy = {"interactive": True, "variant": "stop"}
     idle = {"interactive": False, "variant": "secondary"}
+
+    def after_run(box_html):
+        """Once a request has ended (finished, failed or stopped): Stop goes idle, and a box that
+        still shows the request as queued or in progress says it was stopped. Stop's own message
+        can be overwritten by a progress update the stopped stream had already sent (the page
+        cancels the stream and runs Stop side by side); this runs after the page has closed the
+        stream, so its word is the last."""
+        return (render_stopped() if in_flight(box_html) else gr.skip()), gr.update(**idle)
     generate_events = []
     for trigger in (c["run_btn"].click, c["prompt"].submit):
         trigger(input_status, inputs=ui_inputs, outputs=[c["status"]], **quiet)
@@ -610,7 +618,7 @@ def wire(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
         generate_events.append(event)
         event.then(sync_blind, inputs=[c["blind"], c["view_state"]],
                    outputs=view_targets + [c["errmap"]], **quiet)
-        event.then(lambda: gr.update(**idle), outputs=[c["stop_btn"]], **quiet)
+        event.then(after_run, inputs=[c["status"]], outputs=[c["status"], c["stop_btn"]], **quiet)
 
     # The seed sweep (same queue, one at a time with generations).
     sweep_inputs = [*form, c["sweep_n"], c["sweep_first"]]
@@ -638,7 +646,7 @@ def wire(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
                 ev = where["ev"]
                 step = (f" · {registry.label(ev.method)} step {ev.step}/{ev.steps}"
                         if ev is not None and ev.method else "")
-                yield (f'<div class="aq-msg aq-idle">Seed {where["i"] + 1} of {len(seeds)} '
+                yield (f'<div class="aq-msg aq-idle {IN_FLIGHT}">Seed {where["i"] + 1} of {len(seeds)} '
                        f'(seed {seeds[where["i"]]}){html.escape(step)}</div>', gr.skip())
                 worker.join(POLL_S * 2)
         finally:
@@ -657,10 +665,11 @@ def wire(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
         sweep_ui, inputs=sweep_inputs, outputs=[c["sweep_out"], c["sweep_plot"]],
         concurrency_limit=1, concurrency_id=CONCURRENCY_ID, api_visibility="private")
     c["sweep_run"].click(lambda: gr.update(**busy), outputs=[c["stop_btn"]], **quiet)
-    sweep_event.then(lambda: gr.update(**idle), outputs=[c["stop_btn"]], **quiet)
+    sweep_event.then(lambda box: ((render_stopped("sweep") if in_flight(box) else gr.skip()),
+                                  gr.update(**idle)),
+                     inputs=[c["sweep_out"]], outputs=[c["sweep_out"], c["stop_btn"]], **quiet)
 
-    c["stop_btn"].click(lambda: (render_error("the generation was stopped; nothing was kept.",
-                                              "Stopped"), gr.update(**idle)),
+    c["stop_btn"].click(lambda: (render_stopped(), gr.update(**idle)),
                         outputs=[c["status"], c["stop_btn"]], cancels=[*generate_events, sweep_event],
                         **quiet)
     c["reuse"].click(lambda used: used if used else gr.skip(), inputs=[c["seed_used"]],

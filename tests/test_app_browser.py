@@ -309,5 +309,8 @@ def test_a_waiting_request_shows_its_queue_position_and_stop_cancels(app):
             # the waiting one starts and finishes; the stopped one left no result
             _wait_status(second, "Generated 5 clips")  # every method the registry offers
             assert first.locator(".aq-player video").count() == 0
+            # long after the stop, Stopped is still the last word (not a progress update the
+            # stopped stream had already sent)
+            assert "Stopped" in first.inner_text("#aq-status")
         finally:
             browser.close()

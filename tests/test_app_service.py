@@ -155,6 +155,42 @@ def test_page_shows_an_unavailable_method_with_its_reason(models, tmp_path):
     assert ui_events and all(d.concurrency_id == endpoint.concurrency_id for d in ui_events)
 
 
+def test_a_stopped_request_ends_on_stopped_even_when_a_progress_update_lands_after_stop(service):
+    """Stop's message and the stopped stream's last progress update race in the page (it cancels
+    the stream and runs Stop side by side; seen in CI: the box froze at "step 11/100"). What runs
+    after each generation and sweep has ended replaces a box still showing the request in flight
+    with Stopped, and leaves a request's last word (result, failure, Stopped) alone."""
+    import gradio as gr
+
+    from attnqat.app.ui import build_app
+
+    demo = build_app(service)
+    by_id = {b.elem_id: b for b in demo.blocks.values() if getattr(b, "elem_id", None)}
+    status, stop = by_id["aq-status"], by_id["aq-stop"]
+    runs = [d for d in demo.fns.values() if d.fn is not None and d.fn.__name__ in ("generate_ui", "sweep_ui")]
+    assert len(runs) == 3  # Generate, Enter in the prompt, the seed sweep
+    for run in runs:
+        box = run.outputs[0]
+        (after,) = [d for d in demo.fns.values()
+                    if d.trigger_after == run._id and d.inputs == [box] and d.outputs == [box, stop]]
+        assert not after.trigger_only_on_success  # runs when the request was cancelled too
+        for shown in (player.render_progress(_snapshot(), "BF16 · step 11/100"), player.render_queued(),
+                      '<div class="aq-msg aq-idle aq-inflight">Seed 1 of 3 (seed 0)</div>'):
+            word, button = after.fn(shown)
+            assert "Stopped" in word and button["interactive"] is False
+        for last in (player.render_stopped(), player.render_error("boom"),
+                     player.render_input_errors({"prompt": "empty"}), "<div>summary</div>", ""):
+            word, _ = after.fn(last)
+            assert word is gr.skip() or word == gr.skip()
+    assert status is runs[0].outputs[0]
+
+
+def _snapshot() -> dict:
+    p = svc.Progress(["bf16"], steps=100)
+    p.on_step(StepEvent("denoising", "bf16", 10, 100, ("bf16",), 0.0, None))
+    return p.snapshot()
+
+
 # ----------------------------------------------------------------------------------------------
 # Generation, folders, failures
 # ----------------------------------------------------------------------------------------------
