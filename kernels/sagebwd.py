@@ -236,9 +236,9 @@ def forward(q, k, v, scale: float, *, training: bool, store_t: bool = False, con
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, offs_d, sds_, sdd,
-               Sq, Sqp, qk, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr,
-               PART: tl.constexpr):
+def _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, DS8, SDS, RS, start_n, offs_d,
+               sds_, sdd, Sq, Sqp, Skp, qk, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+               MASK: tl.constexpr, PART: tl.constexpr, STORE_DS: tl.constexpr):
     for start_m in range(0, Sqp, BM):
         offs_m = start_m + tl.arange(0, BM)
         qt = tl.load(Q8 + offs_m[None, :] * D + offs_d[:, None])                           # [D, BM]
@@ -269,19 +269,29 @@ def _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELT
             q8 = tl.load(Q8T + offs_d[:, None] * Sqp + offs_m[None, :])                      # [D, BM]
             prod = _i2f(tl.dot(dc, tl.trans(q8)))
             dk += prod * ((amax / 127.0) * tl.load(SQ + start_m // 128))
+            if STORE_DS:   # for dQ = dS·K from memory (_dq_stored_kernel): codes [q, k], keys contiguous
+                offs_n = start_n + tl.arange(0, BN)
+                tl.store(DS8 + offs_m[None, :].to(tl.int64) * Skp + offs_n[:, None], dc)
+                tl.store(SDS + (start_m // BM) * (Skp // BN) + start_n // BN, amax / 127.0)
+                tl.atomic_add(RS + offs_m, tl.sum(dst, 0))   # rowsum of the unquantized dS, for the correction
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(Q8, Q8T, SQ, K8, SK, V, DO, DO8T, SDO, LSE2, DELTA, DK, DV,
+def _dkdv_kernel(Q8, Q8T, SQ, K8, SK, V, DO, DO8T, SDO, LSE2, DELTA, DK, DV, DS8, SDS, RS,
                  svb, svs, svh, svd, sdb, sds_, sdh, sdd, sob, sos, soh, sod,
-                 H, Sq, Skv, Sqp, Skp, qk, sm_scale,
-                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PART: tl.constexpr = 0):
-    """Grid (Skp/BN, B·H), BN = 64 keys, BM = 128 queries per step (one dS block of the definition).
-    dK, dV (B, Skv, H, D) in DK's dtype. PART 0: both; 1: dV only; 2: dK only (two launches that
-    each recompute S, with one accumulator each: fewer registers live)."""
+                 H, Sq, Skv, Sqp, Skp, qk, sm_scale, BH0,
+                 D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PART: tl.constexpr = 0,
+                 STORE_DS: tl.constexpr = False):
+    """Grid (Skp/BN, number of (batch, head) pairs from BH0 on), BN = 64 keys, BM = 128 queries per
+    step (one dS block of the definition). dK, dV (B, Skv, H, D) in DK's dtype. PART 0: both; 1: dV
+    only; 2: dK only (two launches that each recompute S, with one accumulator each: fewer registers
+    live). STORE_DS (PART 0 or 2): also write dS's codes to DS8 (pairs, Sqp, Skp), its block scales
+    to SDS (pairs, Sqp/BM, Skp/BN) and add its row sums into RS (pairs, Sqp), the pair counted
+    from BH0, for :func:`_dq_stored_kernel`."""
     start_n = tl.program_id(0) * BN
-    bh = tl.program_id(1)
+    pair = tl.program_id(1)
+    bh = BH0 + pair
     b = bh // H
     h = bh % H
     bh64 = bh.to(tl.int64)
@@ -300,14 +310,18 @@ def _dkdv_kernel(Q8, Q8T, SQ, K8, SK, V, DO, DO8T, SDO, LSE2, DELTA, DK, DV,
     SDO += bh64 * (Sqp // BM)
     LSE2 += bh64 * Sqp
     DELTA += bh64 * Sqp
+    pair64 = pair.to(tl.int64)
+    DS8 += pair64 * Sqp * Skp
+    SDS += pair64 * (Sqp // BM) * (Skp // BN)
+    RS += pair64 * Sqp
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     if start_n + BN <= Skv:
-        dk, dv = _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, offs_d, sds_, sdd,
-                            Sq, Sqp, qk, D, BM, BN, False, PART)
+        dk, dv = _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, DS8, SDS, RS,
+                            start_n, offs_d, sds_, sdd, Sq, Sqp, Skp, qk, D, BM, BN, False, PART, STORE_DS)
     else:   # the last key block: keys beyond Skv masked
-        dk, dv = _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, offs_d, sds_, sdd,
-                            Sq, Sqp, qk, D, BM, BN, True, PART)
+        dk, dv = _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, DS8, SDS, RS,
+                            start_n, offs_d, sds_, sdd, Sq, Sqp, Skp, qk, D, BM, BN, True, PART, STORE_DS)
     off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_n[:, None].to(tl.int64) * sos + offs_d[None, :] * sod
     if PART != 1:
         tl.store(DK + off, cast(dk * sm_scale, DK.dtype.element_ty), mask=key_ok[:, None])
@@ -383,6 +397,42 @@ def _dq_kernel(Q8, SQ, K8, K8T, SK, KMEAN, V, DO, LSE2, DELTA, DQ,
     tl.store(DQ + off, cast(dq, DQ.dtype.element_ty), mask=q_ok[:, None])
 
 
+@triton.jit
+def _dq_stored_kernel(DS8, SDS, RS, K8T, SK, KMEAN, DQ, sob, sos, soh, sod,
+                      H, Sq, Skv, Sqp, Skp, sm_scale, BH0,
+                      D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, CORRECTION: tl.constexpr):
+    """Grid (Sqp/BM, pairs from BH0 on), BM = 128 queries, BN = 64 keys per step: dQ = dS·K from the
+    codes and scales :func:`_dkdv_kernel` stored (STORE_DS), with no S, P or dP recomputed; the same
+    products and the same order of accumulation as :func:`_dq_tile`."""
+    start_m = tl.program_id(0) * BM
+    pair = tl.program_id(1)
+    bh = BH0 + pair
+    b = bh // H
+    h = bh % H
+    bh64 = bh.to(tl.int64)
+    pair64 = pair.to(tl.int64)
+    offs_m = start_m + tl.arange(0, BM)
+    offs_d = tl.arange(0, D)
+    DS8 += pair64 * Sqp * Skp
+    SDS += pair64 * (Sqp // BM) * (Skp // BN) + (start_m // BM) * (Skp // BN)
+    K8T += bh64 * Skp * D
+    SK += bh64 * (Skp // 128)
+    dq = tl.zeros([BM, D], tl.float32)
+    for start_n in range(0, tl.cdiv(Skv, BN) * BN, BN):   # blocks past Skv hold zeros
+        offs_n = start_n + tl.arange(0, BN)
+        dc = tl.load(DS8 + offs_m[:, None].to(tl.int64) * Skp + offs_n[None, :])          # [BM, BN]
+        k8 = tl.load(K8T + offs_d[:, None] * Skp + offs_n[None, :])                       # [D, BN]
+        prod = _i2f(tl.dot(dc, tl.trans(k8)))
+        dq += prod * (tl.load(SDS + start_n // BN) * tl.load(SK + start_n // 128))
+    if CORRECTION:
+        kmean = tl.load(KMEAN + bh64 * D + offs_d)
+        dq = dq + tl.load(RS + pair64 * Sqp + offs_m)[:, None] * kmean[None, :]
+    dq = dq * sm_scale
+    q_ok = offs_m < Sq
+    off = b.to(tl.int64) * sob + h.to(tl.int64) * soh + offs_m[:, None].to(tl.int64) * sos + offs_d[None, :] * sod
+    tl.store(DQ + off, cast(dq, DQ.dtype.element_ty), mask=q_ok[:, None])
+
+
 # sm_90 SASS of the main loops (triton 3.6 wheel here, compiled without a GPU), instructions per
 # thread per 64×64 of S: dK/dV 64×64 tiles 4 warps 1,298 with 84 spill stores, 8 warps 975; 64 keys ×
 # 128 queries, 8 warps: 754 (11 spill stores); dQ 64×64 4 warps 797, 128×64 8 warps 385.
@@ -394,12 +444,31 @@ def _dq_kernel(Q8, SQ, K8, K8T, SK, KMEAN, V, DO, LSE2, DELTA, DQ,
 # whole backward timed per variant): one dK/dV launch at 4 warps 45.2 ms of a 66 ms backward;
 # split into a dV launch and a dK launch (one accumulator each; bit-identical) 61.9 ms in all.
 DKDV_CONFIG = dict(split=True, num_warps=4, num_stages=1)
-DQ_CONFIG = dict(num_warps=8, num_stages=3)
+DQ_CONFIG = dict(num_warps=8, num_stages=3, stored=False)
+#: the most bytes of dS codes one chunk of (batch, head) pairs keeps for ``stored`` dQ (the Wan 1.3B
+#: 480p shape: 1.07 GB a head, so two heads a chunk)
+DS_CHUNK_BYTES = 2 << 30
+
+
+def _part_config(cfg: dict, part: int) -> dict:
+    """The launch options of one dK/dV launch: ``cfg`` less its own keys, with the part's
+    overrides (``dv`` for the dV launch, ``dk`` for the dK launch of a split) on top."""
+    out = {k: v for k, v in cfg.items() if k not in ("split", "dv", "dk")}
+    out.update(cfg.get({1: "dv", 2: "dk"}.get(part), None) or {})
+    return out
 
 
 def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_correction: bool = True):
     """dQ, dK, dV (B, S, H, D) in q's dtype. ``smoothing_correction=False``: dQ without the
-    rowsum(dS) ⊗ k̄ term (a measurement, as in the reference)."""
+    rowsum(dS) ⊗ k̄ term (a measurement, as in the reference).
+
+    ``config``: ``{"dkdv": {...}, "dq": {...}}`` launch options over :data:`DKDV_CONFIG` and
+    :data:`DQ_CONFIG`. dK/dV: ``split`` (a dV launch and a dK launch, each recomputing S, instead of
+    one launch with both accumulators), ``dv``/``dk`` (options of one launch of a split). dQ:
+    ``stored`` — the dK launch also writes dS's INT8 codes, block scales and row sums (per chunk of
+    (batch, head) pairs, at most :data:`DS_CHUNK_BYTES` of codes), and dQ is their product with K,
+    instead of a launch that recomputes S, P, dP and dS (the same values: the same arithmetic on
+    the same operands, the row sums added in another order)."""
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
     Sqp, Skp = _padded(Sq), _padded(Skv)
@@ -412,17 +481,39 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
         cfg[key].update(val)
     qk = float(scale) * LOG2E
     s = state
-    dkdv_cfg = dict(cfg["dkdv"])
-    split = dkdv_cfg.pop("split", False)
-    for part in ((1, 2) if split else (0,)):
-        _dkdv_kernel[(Skp // 64, B * H)](   # 64 keys per program, 128-query steps: one dS block per step
-            s["q8"], s["q8t"], s["sq"], s["k8"], s["sk"], v, do, do8t, sdo, s["lse2"], delta, dk, dv,
-            *v.stride(), *do.stride(), *dk.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),
-            D=D, BM=128, BN=64, PART=part, **dkdv_cfg)
-    _dq_kernel[(Sqp // 128, B * H)](    # 128 queries per program, 64-key steps: one dS block per step
-        s["q8"], s["sq"], s["k8"], s["k8t"], s["sk"], s["kmean"], v, do, s["lse2"], delta, dq,
-        *v.stride(), *do.stride(), *dq.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),
-        D=D, BM=128, BN=64, CORRECTION=smoothing_correction, **cfg["dq"])
+    dq_cfg = dict(cfg["dq"])
+    stored = dq_cfg.pop("stored", False)
+    parts = (1, 2) if cfg["dkdv"].get("split", False) else (0,)
+    pairs = B * H
+    chunk = max(1, DS_CHUNK_BYTES // (Sqp * Skp)) if stored else pairs
+    dev = q.device
+    if stored:
+        ds8 = torch.empty(min(chunk, pairs), Sqp, Skp, device=dev, dtype=torch.int8)
+        sds = torch.empty(min(chunk, pairs), Sqp // 128, Skp // 64, device=dev, dtype=torch.float32)
+        rs = torch.empty(min(chunk, pairs), Sqp, device=dev, dtype=torch.float32)
+    else:
+        ds8 = sds = rs = delta   # not read
+    for bh0 in range(0, pairs, chunk):
+        n = min(chunk, pairs - bh0)
+        if stored:
+            rs.zero_()
+        for part in parts:
+            if part == 1 and bh0 > 0:
+                continue   # the dV launch stores nothing: one launch over every pair
+            _dkdv_kernel[(Skp // 64, pairs if part == 1 else n)](   # 64 keys per program, 128-query steps
+                s["q8"], s["q8t"], s["sq"], s["k8"], s["sk"], v, do, do8t, sdo, s["lse2"], delta, dk, dv,
+                ds8, sds, rs, *v.stride(), *do.stride(), *dk.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),
+                0 if part == 1 else bh0, D=D, BM=128, BN=64, PART=part, STORE_DS=stored and part != 1,
+                **_part_config(cfg["dkdv"], part))
+        if stored:
+            _dq_stored_kernel[(Sqp // 128, n)](
+                ds8, sds, rs, s["k8t"], s["sk"], s["kmean"], dq, *dq.stride(), H, Sq, Skv, Sqp, Skp,
+                float(scale), bh0, D=D, BM=128, BN=64, CORRECTION=smoothing_correction, **dq_cfg)
+    if not stored:
+        _dq_kernel[(Sqp // 128, B * H)](    # 128 queries per program, 64-key steps: one dS block per step
+            s["q8"], s["sq"], s["k8"], s["k8t"], s["sk"], s["kmean"], v, do, s["lse2"], delta, dq,
+            *v.stride(), *do.stride(), *dq.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),
+            D=D, BM=128, BN=64, CORRECTION=smoothing_correction, **dq_cfg)
     return dq, dk, dv
 
 

@@ -6,7 +6,8 @@ Times, at the Wan 2.1 1.3B 480p shape (B=1, H=12, S=32,760, D=128; random BF16 i
 forward and forward+backward, then sagebwd's (quantization included), each twice (the spread is
 the noise), and prints the ratios. ``--profile``: CUDA time per kernel (torch.profiler).
 ``--variants``: the tile configurations (warps, pipeline stages, forward query tile) of each kernel,
-each checked against the default's output before it is timed. The rows that go into
+and dQ from stored dS codes (``dq: stored``), each checked against the default's output before it
+is timed (the backward rows time the whole backward). The rows that go into
 docs/benchmarks.md come from ``attnqat bench kernels``; this is how the defaults were chosen.
 """
 
@@ -90,12 +91,19 @@ def main(argv=None) -> int:
     if args.variants:
         for bm, w, st in ((128, 8, 3), (128, 8, 4), (64, 4, 2), (64, 4, 4), (64, 8, 3)):
             variants.append(("fwd", dict(BM=bm, num_warps=w, num_stages=st)))
-        variants.append(("dkdv", dict(num_warps=8, num_stages=1)))   # 2 stages: 354 KB of shared memory
-        variants.append(("dkdv", dict(num_warps=2, num_stages=1)))
-        for w, st in ((4, 1), (8, 1)):
-            variants.append(("dkdv", dict(split=True, num_warps=w, num_stages=st)))
+        variants.append(("dkdv", dict(split=False, num_warps=4, num_stages=1)))   # 2 stages: 346 KiB of shared memory
+        variants.append(("dkdv", dict(split=False, num_warps=8, num_stages=1)))
+        # the split's launches apart (shared memory and spills per launch: kernels/sass.py
+        # sagebwd_table): the dV launch fits 2-3 stages, the dK launch 1
+        for w, st in ((4, 2), (4, 3), (8, 2)):
+            variants.append(("dkdv", dict(split=True, dv=dict(num_warps=w, num_stages=st))))
+        variants.append(("dkdv", dict(split=True, dk=dict(num_warps=8, num_stages=1))))
         for w, st in ((8, 2), (8, 4)):
             variants.append(("dq", dict(num_warps=w, num_stages=st)))
+        # dQ from the dS codes the dK launch stores (no S, P, dP recomputed for dQ)
+        for w, st, dk_w in ((8, 3, 4), (8, 3, 8), (8, 4, 8)):
+            variants.append(("dkdv+dq", dict(dkdv=dict(split=True, dk=dict(num_warps=dk_w, num_stages=1)),
+                                             dq=dict(stored=True, num_warps=w, num_stages=st))))
     for key in ("fwd", "dkdv", "dq"):
         for text in getattr(args, key):
             variants.append((key, json.loads(text)))
@@ -113,9 +121,10 @@ def main(argv=None) -> int:
                     f = [_bench(lambda: ks.forward(q, k, v, 128 ** -0.5, training=False, config=cfg), args.rep_ms)
                          for _ in range(2)]
             else:
-                g = ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5, config={key: cfg})
+                bcfg = cfg if key == "dkdv+dq" else {key: cfg}   # "dkdv+dq": options of both
+                g = ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5, config=bcfg)
                 err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(g, g_ref))
-                f = [_bench(lambda: ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5, config={key: cfg}),
+                f = [_bench(lambda: ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5, config=bcfg),
                             args.rep_ms) for _ in range(2)]
             rows.append(dict(name=name, kernel=key, config=cfg, ms=f, err_vs_default=err))
             print(f"{name:60s} {min(f):8.3f} ms ({f[0]:.3f}/{f[1]:.3f})  err vs default {err:.1e}", flush=True)

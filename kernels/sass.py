@@ -6,7 +6,8 @@ machine: the instruction mix, the main loop's length (the instructions every thr
 key tile), and whether Triton warp-specialized the loop (``ttg.warp_specialize`` in its GPU IR,
 ``setmaxnreg`` in the PTX). ``attnqat bench kernels --sass ARCH`` prints the table of
 :data:`VARIANTS` and, for sm_90, what the hand-scheduled Gluon forward (:mod:`.gluon_fwd`) compiles
-to (:func:`gluon_report`); docs/kernels_notes.md records what they showed.
+to (:func:`gluon_report`); docs/kernels_notes.md records what they showed. :func:`sagebwd_table`
+gives the ``sagebwd`` backward launches' shared memory, registers and spills (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -127,6 +128,76 @@ def dkdv_table(arch: int) -> list[dict]:
         rows.append(dict(name=name, arch=arch, total=s.total, loop=s.loop, per_score=(s.loop - base) / scores,
                          warps=s.num_warps, warp_specialize_ops=s.warp_specialize_ops,
                          loop_mix=dict(s.loop_mix.most_common(10))))
+    return rows
+
+
+def compile_sagebwd(arch: int, kernel: str, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
+                    config: dict | None = None):
+    """A ``sagebwd`` backward kernel (:mod:`.sagebwd`) compiled for ``sm_<arch>`` as its launcher
+    compiles it for contiguous (B, S, H, D) = ``shape`` self-attention inputs, no GPU needed:
+    ``kernel`` "dv", "dk" or "dkdv" (:func:`.sagebwd._dkdv_kernel`'s PART 1, 2, 0), "dq" (the
+    recomputing :func:`.sagebwd._dq_kernel`) or "dq_stored"; ``config``: ``num_warps``,
+    ``num_stages`` and, for dk/dkdv, ``STORE_DS``."""
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.compiler import ASTSource  # noqa: PLC0415
+
+    from . import sagebwd as ks  # noqa: PLC0415
+
+    if kernel not in ("dv", "dk", "dkdv", "dq", "dq_stored"):
+        raise ValueError(f"unknown sagebwd kernel {kernel!r}")
+    _check_compiled()
+    _, S, H, D = shape
+    Sp = ks._padded(S)
+    cfg = dict(num_warps=8, num_stages=1) | dict(config or {})
+    num_warps, num_stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+    i8 = ("Q8", "Q8T", "K8", "K8T", "DO8T")
+    typed = {n: ("*i8", True) for n in i8} | {"DS8": ("*i8", True)}
+    typed |= {n: ("*fp32", True) for n in ("SQ", "SK", "SDO", "LSE2", "DELTA", "SDS", "RS", "KMEAN")}
+    typed |= {n: ("*bf16", True) for n in ("V", "DO", "DK", "DV", "DQ")}
+    typed |= {"qk": ("fp32", False), "sm_scale": ("fp32", False)}
+    ints = {"H": H, "Sq": S, "Skv": S, "Sqp": Sp, "Skp": Sp, "BH0": 0}
+    for p in ("sv", "sd", "so"):
+        ints.update(zip((f"{p}b", f"{p}s" if p != "sd" else "sds_", f"{p}h", f"{p}d"), (S * H * D, H * D, D, 1)))
+    if kernel in ("dv", "dk", "dkdv"):
+        fn = ks._dkdv_kernel
+        consts = dict(D=D, BM=128, BN=64, PART={"dkdv": 0, "dv": 1, "dk": 2}[kernel],
+                      STORE_DS=bool(cfg.pop("STORE_DS", False)))
+    elif kernel == "dq":
+        fn, consts = ks._dq_kernel, dict(D=D, BM=128, BN=64, CORRECTION=True)
+    else:
+        fn, consts = ks._dq_stored_kernel, dict(D=D, BM=128, BN=64, CORRECTION=True)
+    if cfg:
+        raise ValueError(f"unknown options for {kernel}: {sorted(cfg)}")
+    src = ASTSource(fn=fn, **_specialize(fn.arg_names, consts, typed, ints))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+#: (kernel, launch options) rows of :func:`sagebwd_table`: the defaults and what the bench's
+#: ``--variants`` times
+SAGEBWD_VARIANTS = (
+    ("dkdv", dict(num_warps=4, num_stages=1)), ("dkdv", dict(num_warps=8, num_stages=1)),
+    ("dv", dict(num_warps=4, num_stages=1)), ("dv", dict(num_warps=4, num_stages=2)),
+    ("dv", dict(num_warps=4, num_stages=3)), ("dv", dict(num_warps=8, num_stages=2)),
+    ("dk", dict(num_warps=4, num_stages=1)), ("dk", dict(num_warps=8, num_stages=1)),
+    ("dk", dict(num_warps=4, num_stages=1, STORE_DS=True)), ("dk", dict(num_warps=8, num_stages=1, STORE_DS=True)),
+    ("dq", dict(num_warps=8, num_stages=3)),
+    ("dq_stored", dict(num_warps=4, num_stages=3)), ("dq_stored", dict(num_warps=8, num_stages=3)),
+    ("dq_stored", dict(num_warps=8, num_stages=4)),
+)
+
+
+def sagebwd_table(arch: int, variants=SAGEBWD_VARIANTS) -> list[dict]:
+    """Resources of the ``sagebwd`` backward kernels (:func:`compile_sagebwd`) per variant: shared
+    memory (the limit is 227 KiB a block on sm_90), registers, spill instructions, instructions."""
+    rows = []
+    for kernel, cfg in variants:
+        k = compile_sagebwd(arch, kernel, config=cfg)
+        _, _, facts = _kernel_facts(k)
+        rows.append(dict(kernel=kernel, config=cfg, shared_kib=round(k.metadata.shared / 1024, 1),
+                         registers=facts.get("registers"), spill_instructions=facts["spill_instructions"],
+                         total=facts["total"]))
     return rows
 
 

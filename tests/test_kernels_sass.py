@@ -51,6 +51,31 @@ def test_hopper_machine_code_of_the_quantizers(sass90):
     assert 0 < attnqat_n["per_score"] < attnqat_t["per_score"]
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_sagebwd_backward_resources_for_hopper():
+    """The sagebwd backward's launches compiled for sm_90 without a GPU (a child process without
+    the interpreter): the split's dV launch fits three pipeline stages in the 227 KiB a block may
+    use, and dQ from stored dS compiles with no spills (docs/benchmarks.md, "The backward's
+    structure")."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json; from attnqat.kernels import sass; print(json.dumps(sass.sagebwd_table(90, ("
+            "('dv', dict(num_warps=4, num_stages=3)), ('dk', dict(num_warps=8, num_stages=1, STORE_DS=True)),"
+            " ('dq_stored', dict(num_warps=8, num_stages=3))))))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    dv, dk, dq = json.loads(res.stdout.strip().splitlines()[-1])
+    assert dv["shared_kib"] <= 227 and dv["spill_instructions"] == 0
+    assert dk["kernel"] == "dk" and dk["config"]["STORE_DS"] and dk["total"] > dv["total"]
+    assert dq["spill_instructions"] == 0 and dq["total"] < dk["total"]
+    with pytest.raises(ValueError, match="unknown sagebwd kernel"):
+        sass.compile_sagebwd(90, "dx")
+
+
 def test_interpreted_kernels_cannot_be_disassembled():
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("runs only under the Triton interpreter")

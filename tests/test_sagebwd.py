@@ -244,6 +244,34 @@ def test_kernels_autograd_and_inference():
     assert rel_error(o2, sb._bhsd(fwd.o)) < 1e-2
 
 
+@pytest.mark.parametrize("shape", [(1, 130, 200, 2, 64), (2, 70, 300, 1, 128)], ids=_ids)
+def test_stored_ds_dq_equals_the_recomputed_dq(shape, monkeypatch):
+    """dQ from the dS codes, block scales and row sums the dK launch stores (``dq: stored``) is the
+    recomputing dQ kernel's, bit for bit without the smoothing correction (the same products in the
+    same order) and to the row sums' order of addition with it; chunks of one (batch, head) pair
+    give the same bits as one chunk; per-launch overrides of a split dK/dV change no bits."""
+    B, Sq, Skv, H, D = shape
+    q, k, v = make_qkv(B, Sq, Skv, H, D, seed=11)
+    do = make_qkv(B, Sq, Sq, H, D, seed=12)[0]
+    scale = D ** -0.5
+    o, st = ks.forward(q, k, v, scale, training=True)
+    stored = {"dq": {"stored": True}}
+    for corr in (False, True):
+        want = ks.backward(q, k, v, o, do, st, scale, smoothing_correction=corr)
+        got = ks.backward(q, k, v, o, do, st, scale, config=stored, smoothing_correction=corr)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])   # dK, dV untouched
+        if corr:
+            assert rel_error(got[0], want[0]) < 1e-4
+        else:
+            assert torch.equal(got[0], want[0])
+    one = ks.backward(q, k, v, o, do, st, scale, config=stored)
+    monkeypatch.setattr(ks, "DS_CHUNK_BYTES", 1)   # one (batch, head) pair per chunk
+    assert all(torch.equal(a, b) for a, b in zip(ks.backward(q, k, v, o, do, st, scale, config=stored), one))
+    parts = {"dkdv": {"split": True, "dv": {"num_warps": 8}, "dk": {"num_warps": 2}}}
+    base = ks.backward(q, k, v, o, do, st, scale)
+    assert all(torch.equal(a, b) for a, b in zip(ks.backward(q, k, v, o, do, st, scale, config=parts), base))
+
+
 @pytest.mark.parametrize("bad, match", [
     (lambda q, k, v: (q.float(), k, v), "bfloat16 or float16"),
     (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "head_dim"),
