@@ -3,7 +3,8 @@ transformer (random weights), per student attention, through the trainer's own s
 
 Builds the transformer (1.3B or 14B config, float32 master weights, random values: nothing is
 downloaded) on the GPU, wraps it exactly as ``attnqat finetune train`` does (:class:`Trainer`:
-FSDP2 per block, bf16 autocast, the attention processor, gradient checkpointing) and times
+FSDP2 per block, bf16 autocast, the attention processor, gradient checkpointing; with
+``--lora-rank`` the frozen base's linear weights then kept in bfloat16) and times
 ``--steps`` optimizer steps after ``--warmup`` on random latents and prompt embeddings of the
 given clip size (batch 1 per GPU). Runs under ``torchrun`` too: then each GPU holds its shard and
 the table is per GPU.
@@ -219,8 +220,11 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
         torch.cuda.empty_cache()
         status["gpu_allocated_after_setup_gib"] = torch.cuda.memory_allocated(dev) / GIB
     status["trainer_setup_s"] = time.perf_counter() - t0
+    # LoRA under bf16 autocast: the frozen base's linear weights are kept in bfloat16 (Trainer)
+    status["lora_base_dtype"] = ("bfloat16" if trainer.base_bf16 else "float32") if lora_rank else None
     if log is not None:
-        log(f"trainer set up in {status['trainer_setup_s']:.1f} s")
+        log(f"trainer set up in {status['trainer_setup_s']:.1f} s"
+            + (f"; frozen base's linear weights in {status['lora_base_dtype']}" if lora_rank else ""))
     routing = _published_attention(published) if method == "published" else contextlib.nullcontext()
     times, losses = [], []
     host_reset = False

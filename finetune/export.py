@@ -74,7 +74,9 @@ def note(training: dict) -> str:
 
 def _adapted_base(cfg: dict, folder: Path, key: str):
     """A LoRA run's base transformer (float32) with the checkpoint's adapter (``key``: model or
-    ema) on it."""
+    ema) on it. The base is read from the model again in float32, never rounded to the bfloat16
+    that training kept it in (attnqat.lora.frozen_base_to): a merge is the original weights plus
+    scale · B·A."""
     from dataclasses import fields
 
     from attnqat.lora import add_lora, lora_parameters

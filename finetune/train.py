@@ -41,7 +41,7 @@ from attnqat import methods as registry
 from . import checkpoint as ckpt
 from .cache import check_fps, model_fps
 from .data import (CACHE_MANIFEST, DataError, DataOrder, LatentCache, data_fingerprint, loader,
-                   open_source, pad_text, read_cache_manifest, sample_seed)
+                   _mix, open_source, pad_text, read_cache_manifest, sample_seed)
 from . import mesh
 from .distributed import PRECISIONS, DistContext, all_max, all_sum, local
 from .objective import (OBJECTIVES, SIGMA_SAMPLINGS, distill_target, flow_matching_loss, make_teacher,
@@ -182,7 +182,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "run folder named; the run's config.json is the starting configuration")
     g.add_argument("--device", help="auto | cpu | cuda | cuda:N (under torchrun: cuda means "
                                     "cuda:LOCAL_RANK) [auto]")
-    g.add_argument("--seed", type=int, help="seed of the data order and of every sample's noise [0]")
+    g.add_argument("--seed", type=int, help="seed of the data order, of every sample's noise and of a LoRA "
+                                           "adapter's initial A [0]")
     g.add_argument("--steps", type=int, help="optimizer steps of the whole run [recipe]")
     g.add_argument("--time-limit", type=float,
                    help="minutes of training after which the run saves a checkpoint and stops "
@@ -517,6 +518,18 @@ class Trainer:
         # the distill objective's teacher: the starting weights, frozen, BF16 attention, unsharded
         self.teacher = None if cfg.objective != "distill" else make_teacher(
             transformer, cfg.backend, torch.bfloat16 if self.precision == "bf16" else None).to(ctx.device)
+        # LoRA: the adapter (float32, drawn from --seed: the same on every rank and in every run)
+        # goes on where the weights are; under bf16 autocast the frozen base's linear and
+        # convolution weights are then stored in bfloat16, which autocast casts them to anyway:
+        # the same numbers, and the base is moved and kept at half the size
+        # (attnqat.lora.frozen_base_to; docs/finetune.md, "LoRA")
+        self.base_bf16 = 0
+        if cfg.lora_rank:
+            from attnqat.lora import add_lora, frozen_base_to
+
+            add_lora(transformer, cfg.lora_rank, cfg.lora_alpha, seed=_mix(cfg.seed, 0x10A))
+            if self.precision == "bf16":
+                self.base_bf16 = frozen_base_to(transformer, torch.bfloat16)
         # offloaded, the weights stay in CPU memory and FSDP2 moves each block in when it runs;
         # buffers (the RoPE tables) are no parameters of FSDP2's and go to the device themselves
         self.model = transformer if cfg.offload else transformer.to(ctx.device)
@@ -525,10 +538,6 @@ class Trainer:
                 for name, buf in list(module._buffers.items()):
                     if buf is not None:
                         module._buffers[name] = buf.to(ctx.device)
-        if cfg.lora_rank:
-            from attnqat.lora import add_lora
-
-            add_lora(self.model, cfg.lora_rank, cfg.lora_alpha)
         self.proc = install_attention(self.model, cfg.attention, fp4_scope=cfg.scope,
                                       backend=cfg.backend, timing=False, ablation=cfg.ablation)
         mesh.apply_sp(self.model, ctx)
@@ -854,8 +863,9 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         return encoder.latents(batch["video"]), encoder.text(batch["captions"])
 
     say(f"training {sum(p.numel() for p in transformer.parameters()) / 1e6:.1f} M parameters "
-        + (f"({trainer.parameters / 1e6:.2f} M of them a LoRA adapter of rank {cfg.lora_rank}) "
-           if cfg.lora_rank else "")
+        + (f"({trainer.parameters / 1e6:.2f} M of them a LoRA adapter of rank {cfg.lora_rank}"
+           + (f"; {trainer.base_bf16 / 1e6:.1f} M frozen linear weights kept in bfloat16"
+              if trainer.base_bf16 else "") + ") " if cfg.lora_rank else "")
         + f"({cfg.attention} attention, scope {cfg.scope}"
         + (f", ablation {cfg.ablation}" if cfg.ablation else "") + f") on {ctx.world} × "
         f"{device_name(ctx.device)}, {trainer.precision}; data {source.description}; global batch "
