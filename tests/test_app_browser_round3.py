@@ -130,6 +130,17 @@ def _menus_match_drawn(page) -> None:
     assert state["left"] == state["drawnLeft"] and state["right"] == state["drawnRight"], state
 
 
+def _rerendered(page, act) -> None:
+    """Do ``act()`` (Blind on or off, Reveal) and wait until the player's new rendering is set up:
+    the page's script sets the menus from each rendering once it runs, so a menu chosen before
+    that would be set back."""
+    before = page.get_attribute(".aq-player", "data-render")
+    act()
+    page.wait_for_function("k => { const r = document.querySelector('.aq-player'); "
+                           "return r && r.dataset.render !== k && r.dataset.setup === r.dataset.render; }",
+                           arg=before)
+
+
 def test_receipts_error_map_downloads_menus_and_one_frame_per_click(app, browser, tmp_path):
     page = _open(browser, app["url"])
     # Stop is disabled while nothing runs (defect 6)
@@ -173,13 +184,13 @@ def test_receipts_error_map_downloads_menus_and_one_frame_per_click(app, browser
                            "document.querySelectorAll('video.aq-main')[1].getAttribute('src')")
     _menus_match_drawn(page)
     for _ in range(2):
-        page.check("#aq-blind input")
+        _rerendered(page, lambda: page.check("#aq-blind input"))
         page.wait_for_selector(".aq-player[data-blind='yes']")
         _menus_match_drawn(page)
-        page.click("#aq-reveal")
+        _rerendered(page, lambda: page.click("#aq-reveal"))
         page.wait_for_selector(".aq-player[data-blind='no'] .aq-clip[data-method]")
         _menus_match_drawn(page)
-        page.uncheck("#aq-blind input")
+        _rerendered(page, lambda: page.uncheck("#aq-blind input"))
         page.wait_for_function("() => !document.querySelector('#aq-reveal') || "
                                "document.querySelector('#aq-reveal').offsetParent === null")
     page.select_option(".aq-cmp-right", "0")

@@ -6,7 +6,8 @@
 // comparison view draws one clip over another with a split slider and a zoom; its two videos follow
 // the same clock.
 // State for tests and styling: data-state (loading | playing | paused | error), data-loops,
-// data-frame (the frame shown after stepping or scrubbing, 0-based).
+// data-frame (the frame shown after stepping or scrubbing, 0-based), data-setup (the data-render
+// the last setup ran for: a rendering is live once the two agree).
 // Gradio updates the component by patching the old DOM in place (same elements, new attributes), so
 // a new result, Blind on/off or Reveal keep the old elements and their listeners: every setup first
 // aborts the listeners and timers of the previous one (one AbortController per setup), runs once
@@ -23,6 +24,7 @@
     element.__aqAbort = ctl;
     element.__aqKey = key;
     root.dataset.ready = '1';
+    root.dataset.setup = key;
     delete root.dataset.frame;
     delete root.dataset.loops;
     var mains = Array.prototype.slice.call(root.querySelectorAll('video.aq-main'));
