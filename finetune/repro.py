@@ -146,6 +146,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-5,
                         help="AdamW learning rate (constant; 2e-5 for 600 steps moved the BF16 "
                              "control 3.5 points off the base: docs/repro/v2.md)")
+    parser.add_argument("--lora-lr", type=float, default=None,
+                        help="learning rate of the LoRA runs (qad-lora8/32/128); unset: 5 × --lr "
+                             "(1e-4 at 2e-5: an adapter of a few thousandths of the weights moves "
+                             "less per step, and LoRA is commonly trained several times faster; "
+                             "docs/finetune.md, LoRA)")
     parser.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
     parser.add_argument("--ema", type=float, default=0.998, help="EMA decay of the exported weights (0: live weights)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data stream and the noise")
@@ -245,8 +250,11 @@ def train_args(args, name: str, seed: int | None = None) -> list[str]:
     attention, ablation, _ = RUNS[name]
     seed = args.seed if seed is None else seed
     out = args.work / "runs" / run_key(args, name, seed)
+    lr = args.lr
+    if name in RUN_LORA:
+        lr = args.lora_lr if getattr(args, "lora_lr", None) is not None else 5 * args.lr
     a = ["--model", _shown(args.model), "--data", "synthetic", "--out", _shown(out), "--attention", attention,
-         "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(args.lr),
+         "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(lr),
          "--warmup", str(args.warmup), "--schedule", "constant", "--ema", str(args.ema),
          "--seed", str(seed), "--two-objects", str(args.two_objects),
          "--workers", str(args.workers), "--device", args.device,
@@ -1082,6 +1090,8 @@ def command_line(args: argparse.Namespace) -> str:
          str(args.two_objects)]
     if getattr(args, "seeds", None) is not None:
         a += ["--seeds", str(args.seeds)]
+    if any(r.strip() in RUN_LORA for r in args.runs.split(",")):
+        a += ["--lora-lr", str(args.lora_lr if getattr(args, "lora_lr", None) is not None else 5 * args.lr)]
     if args.start_from is not None:
         a += ["--start-from", _shown(args.start_from)]
     if args.size is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 
@@ -370,7 +371,16 @@ def test_lora_and_sagebwd_runs(tmp_path):
     assert R.main([*args, "--stages", "train,eval,report"]) == 0
     cfg = json.loads((work / "runs" / "qad-lora8" / "config.json").read_text())
     assert cfg["lora_rank"] == 8 and cfg["objective"] == "distill"
-    assert json.loads((work / "runs" / "sagebwd" / "config.json").read_text())["attention"] == "sagebwd"
+    sbwd = json.loads((work / "runs" / "sagebwd" / "config.json").read_text())
+    assert sbwd["attention"] == "sagebwd"
+    # the LoRA runs train at --lora-lr, by default 5 × --lr; the others at --lr
+    assert cfg["lr"] == pytest.approx(5 * sbwd["lr"])
+    parsed = argparse.ArgumentParser()
+    R.add_arguments(parsed)
+    ns = parsed.parse_args(["--runs", "qad-lora8", "--lr", "2e-5", "--lora-lr", "3e-4", "--doc", "r.md"])
+    a = R.train_args(ns, "qad-lora8")
+    assert float(a[a.index("--lr") + 1]) == 3e-4
+    assert f"--lora-lr {3e-4}" in R.command_line(ns)
     # the LoRA export is a whole transformer (the adapter merged), which the eval stage loads
     assert (work / "export" / "qad-lora8" / "diffusion_pytorch_model.safetensors").is_file()
     assert read(work / "export" / "qad-lora8").training["lora_rank"] == 8
