@@ -236,6 +236,15 @@ def forward(q, k, v, scale: float, *, training: bool, store_t: bool = False, con
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _pair_of_program(BH0, H):
+    """The (batch, head) pair of a backward program (grid axis 1 counts pairs from BH0 on): its
+    index in the launch and in the whole tensor (int64, for offsets), batch and head."""
+    pair = tl.program_id(1)
+    bh = BH0 + pair
+    return pair.to(tl.int64), bh.to(tl.int64), bh // H, bh % H
+
+
+@triton.jit
 def _dkdv_loop(dk, dv, k8, sk, v, key_ok, Q8, Q8T, SQ, DO, DO8T, SDO, LSE2, DELTA, DS8, SDS, RS, start_n, offs_d,
                sds_, sdd, Sq, Sqp, Skp, qk, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                MASK: tl.constexpr, PART: tl.constexpr, STORE_DS: tl.constexpr):
@@ -290,11 +299,7 @@ def _dkdv_kernel(Q8, Q8T, SQ, K8, SK, V, DO, DO8T, SDO, LSE2, DELTA, DK, DV, DS8
     to SDS (pairs, Sqp/BM, Skp/BN) and add its row sums into RS (pairs, Sqp), the pair counted
     from BH0, for :func:`_dq_stored_kernel`."""
     start_n = tl.program_id(0) * BN
-    pair = tl.program_id(1)
-    bh = BH0 + pair
-    b = bh // H
-    h = bh % H
-    bh64 = bh.to(tl.int64)
+    pair64, bh64, b, h = _pair_of_program(BH0, H)
     offs_n = start_n + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     key_ok = offs_n < Skv
@@ -310,7 +315,6 @@ def _dkdv_kernel(Q8, Q8T, SQ, K8, SK, V, DO, DO8T, SDO, LSE2, DELTA, DK, DV, DS8
     SDO += bh64 * (Sqp // BM)
     LSE2 += bh64 * Sqp
     DELTA += bh64 * Sqp
-    pair64 = pair.to(tl.int64)
     DS8 += pair64 * Sqp * Skp
     SDS += pair64 * (Sqp // BM) * (Skp // BN)
     RS += pair64 * Sqp
@@ -405,12 +409,7 @@ def _dq_stored_kernel(DS8, SDS, RS, K8T, SK, KMEAN, DQ, sob, sos, soh, sod,
     codes and scales :func:`_dkdv_kernel` stored (STORE_DS), with no S, P or dP recomputed; the same
     products and the same order of accumulation as :func:`_dq_tile`."""
     start_m = tl.program_id(0) * BM
-    pair = tl.program_id(1)
-    bh = BH0 + pair
-    b = bh // H
-    h = bh % H
-    bh64 = bh.to(tl.int64)
-    pair64 = pair.to(tl.int64)
+    pair64, bh64, b, h = _pair_of_program(BH0, H)
     offs_m = start_m + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
     DS8 += pair64 * Sqp * Skp
