@@ -133,6 +133,7 @@ def _records(out: Path) -> dict:
     return json.loads((out / "14b_one_gpu.json").read_text())
 
 
+@pytest.mark.subprocess   # runs the device script, and commands under it
 def test_script_records_a_row_killed_by_the_oom_killer(tmp_path):
     """SIGKILL (what the kernel's OOM killer sends) ends that row with a "does not fit" record naming
     the phase it was in; the next row still runs and the table comes last."""
@@ -156,6 +157,7 @@ def test_script_records_a_row_killed_by_the_oom_killer(tmp_path):
     assert any(x.startswith("lora32-offload     no ") for x in last[-5:])
 
 
+@pytest.mark.subprocess   # runs the device script, and commands under it
 def test_script_stops_a_row_at_its_limit_and_skips_rows_out_of_budget(tmp_path):
     fake = 'echo "bench train [1.0 s] attnqat: trainer set up in 1.0 s" >&2\nsleep 60'
     done, out = _script(tmp_path, fake, ROWS="lora32,full-8bit", BUDGET_S="2", MIN_ROW_S="1")

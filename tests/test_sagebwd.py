@@ -244,6 +244,7 @@ def test_kernels_autograd_and_inference():
     assert rel_error(o2, sb._bhsd(fwd.o)) < 1e-2
 
 
+@pytest.mark.interpreter   # on the CPU: eight backward passes through the interpreter, ~6 s a shape
 @pytest.mark.parametrize("shape", [(1, 130, 200, 2, 64), (2, 70, 300, 1, 128)], ids=_ids)
 def test_stored_ds_dq_equals_the_recomputed_dq(shape, monkeypatch):
     """dQ from the dS codes, block scales and row sums the dK launch stores (``dq: stored``) is the
