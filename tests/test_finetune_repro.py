@@ -242,6 +242,7 @@ def test_sign_flip_is_mcnemar_on_binary_outcomes_and_holm_adjusts():
     assert w["share"] == pytest.approx(0.5) and w["loss"] == pytest.approx(0.2)
 
 
+@pytest.mark.slow   # 5-7 s on the 2-core machine (docs/development.md, Tests)
 def test_seeds_records_and_report(tmp_path):
     """--seeds: every run trained and evaluated per seed; each record keeps every scorer output,
     PSNR/SSIM against the base's and the own weights' BF16 clips and the weights' sha256; the

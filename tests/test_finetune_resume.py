@@ -26,6 +26,7 @@ def train(model: Path, *args: str) -> int:
     return T.main(["--model", str(model), *FLAGS, *args])
 
 
+@pytest.mark.slow   # 5-7 s on the 2-core machine (docs/development.md, Tests)
 def test_resume_from_another_folder_with_paths_written_either_way(model, tmp_path, monkeypatch):
     write_clips(tmp_path / "clips", 4)
     (tmp_path / "elsewhere").mkdir()

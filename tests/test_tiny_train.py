@@ -96,6 +96,7 @@ def _fit(params, loss_fn, steps: int, lr: float) -> tuple[float, float]:
     return first, last
 
 
+@pytest.mark.slow   # 5-7 s on the 2-core machine (docs/development.md, Tests)
 def test_vae_loss_falls_on_a_fixed_batch():
     torch.manual_seed(0)
     vae = small_pipe().vae.train()
