@@ -104,6 +104,9 @@ def main(argv=None) -> int:
         for w, st, dk_w in ((8, 3, 4), (8, 3, 8), (8, 4, 8)):
             variants.append(("dkdv+dq", dict(dkdv=dict(split=True, dk=dict(num_warps=dk_w, num_stages=1)),
                                              dq=dict(stored=True, num_warps=w, num_stages=st))))
+        # one pass over the scores: dV, dK and the stored dS from one launch (it spills most)
+        variants.append(("dkdv+dq", dict(dkdv=dict(split=False, num_warps=8, num_stages=1),
+                                         dq=dict(stored=True, num_warps=8, num_stages=3))))
     for key in ("fwd", "dkdv", "dq"):
         for text in getattr(args, key):
             variants.append((key, json.loads(text)))

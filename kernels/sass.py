@@ -182,6 +182,7 @@ SAGEBWD_VARIANTS = (
     ("dv", dict(num_warps=4, num_stages=3)), ("dv", dict(num_warps=8, num_stages=2)),
     ("dk", dict(num_warps=4, num_stages=1)), ("dk", dict(num_warps=8, num_stages=1)),
     ("dk", dict(num_warps=4, num_stages=1, STORE_DS=True)), ("dk", dict(num_warps=8, num_stages=1, STORE_DS=True)),
+    ("dkdv", dict(num_warps=8, num_stages=1, STORE_DS=True)),
     ("dq", dict(num_warps=8, num_stages=3)),
     ("dq_stored", dict(num_warps=4, num_stages=3)), ("dq_stored", dict(num_warps=8, num_stages=3)),
     ("dq_stored", dict(num_warps=8, num_stages=4)),
