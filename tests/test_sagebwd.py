@@ -266,6 +266,9 @@ def test_stored_ds_dq_equals_the_recomputed_dq(shape, monkeypatch):
         else:
             assert torch.equal(got[0], want[0])
     one = ks.backward(q, k, v, o, do, st, scale, config=stored)
+    # one pass: dV, dK and the stored dS from one launch
+    one_pass = ks.backward(q, k, v, o, do, st, scale, config={**stored, "dkdv": {"split": False}})
+    assert all(torch.equal(a, b) for a, b in zip(one_pass, one))
     monkeypatch.setattr(ks, "DS_CHUNK_BYTES", 1)   # one (batch, head) pair per chunk
     assert all(torch.equal(a, b) for a, b in zip(ks.backward(q, k, v, o, do, st, scale, config=stored), one))
     parts = {"dkdv": {"split": True, "dv": {"num_warps": 8}, "dk": {"num_warps": 2}}}
