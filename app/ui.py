@@ -423,63 +423,146 @@ FORM = ("prompt", "methods", "seed", "steps", "guidance", "shift", "resolution",
         "negative", "fp4_scope")  # the page's fields of FIELDS, in that order
 
 
+#: listeners that only update the page: no queue, no API endpoint, no progress shown
+QUIET = dict(queue=False, api_visibility="private", show_progress="hidden")
+#: Stop while a request is queued or running, and otherwise
+STOP_BUSY = {"interactive": True, "variant": "stop"}
+STOP_IDLE = {"interactive": False, "variant": "secondary"}
+#: the components a result view fills (what :func:`view_outputs` returns, then the view itself)
+VIEW_TARGETS = ("player", "files", "record", "record_box", "reveal", "view_state")
+#: what a generation from the page fills
+UI_OUTPUTS = ("status", "player", "files", "record", "record_box", "seed_used", "reveal", "view_state",
+              "errmap", "history", "history_html", "history_pick")
+
+
+def run_in_thread(fn):
+    """Run ``fn(cancel)`` in a worker thread; returns ``(worker, cancel, box)``: ``box`` gets
+    ``"out"`` (the result) or ``"err"`` (the exception). Stop (or the page going away) sets
+    ``cancel``."""
+    cancel = threading.Event()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["out"] = fn(cancel)
+        except BaseException as exc:  # noqa: BLE001 - reported in the page
+            box["err"] = exc
+
+    worker = threading.Thread(target=work, name="attnqat-app-generate", daemon=True)
+    worker.start()
+    return worker, cancel, box
+
+
+def view_outputs(view: ResultView | None):
+    """Player, files, record, record box and Reveal for a result view (None: nothing shown)."""
+    hidden = view is None or view.hidden
+    return (render_player(view),
+            gr.update(value=list(view.files) if view and not hidden else None,
+                      visible=bool(view) and not hidden),
+            gr.update(value=view.record if view and not hidden else None),
+            gr.update(visible=bool(view) and not hidden),
+            gr.update(visible=bool(view) and view.hidden))
+
+
+def errmap_html(view: ResultView | None) -> str:
+    if view is None or view.hidden:
+        return ""
+    labels = {m: method_label(view.record, m) for m in view.methods}
+    return render_error_map(read_error_map(view.error_map), labels)
+
+
+def failure(message: str, title: str):
+    """:data:`UI_OUTPUTS` of a generation that failed: the message, every result cleared."""
+    return (render_error(message, title), "", gr.update(value=None, visible=False),
+            gr.update(value=None), gr.update(visible=False), gr.skip(),
+            gr.update(visible=False), None, "", gr.skip(), gr.skip(), gr.skip())
+
+
+def to_view(out: RunOutput, blind_on: bool) -> ResultView:
+    files = tuple(str(p) for p in out.clips.values()) + (str(out.side_by_side), str(out.record_path))
+    em_json = out.folder / "error_map.json"
+    if em_json.is_file():
+        files += (str(out.folder / "error_map.png"), str(em_json))
+    view = ResultView(run_id=out.run_id, methods=tuple(out.clips), files=files,
+                      media={m: str(p) for m, p in out.media.items()},
+                      record=out.record.to_dict(),
+                      downloads={m: str(p) for m, p in (out.downloads or {}).items()},
+                      error_map=str(em_json) if em_json.is_file() else None)
+    return view.with_blind(bool(blind_on))
+
+
+def history_entry(out: RunOutput, view: ResultView, values: tuple) -> dict[str, Any]:
+    settings = dict(zip(FORM, values))
+    return {"settings": settings, "seed": out.record.seed, "view": view,
+            "labels": [method_label(view.record, m) for m in view.methods],
+            "when": time.strftime("%H:%M:%S")}
+
+
+def history_outputs(entries: list[dict[str, Any]]):
+    choices = [(f"{i + 1}. {e['settings']['prompt'][:50]} · seed {e['seed']}", i)
+               for i, e in enumerate(entries)]
+    return (entries, render_history(entries), gr.update(choices=choices, value=0 if entries else None))
+
+
+def set_blind(blind_v, view: ResultView | None):
+    if view is None:  # nothing shown yet (or a generation is running)
+        return (gr.skip(),) * 7
+    view = view.with_blind(bool(blind_v))
+    return (*view_outputs(view), view, errmap_html(view))
+
+
+def do_reveal(view: ResultView | None):
+    if view is None:
+        return (gr.skip(),) * 7
+    view = view.reveal()
+    return (*view_outputs(view), view, errmap_html(view))
+
+
+def sync_blind(blind_v, view: ResultView | None):
+    """Blind mode switched while generating: apply the box's current state."""
+    if view is None or view.blind == bool(blind_v):
+        return (gr.skip(),) * 7
+    return set_blind(blind_v, view)
+
+
+def load_settings(index, entries):
+    entries = list(entries or [])
+    if index is None or not isinstance(index, int) or not 0 <= index < len(entries):
+        return (gr.skip(),) * len(FORM)
+    st = dict(entries[index]["settings"])
+    st["seed"] = str(entries[index]["seed"])  # the seed that ran, so it reproduces
+    return tuple(st[k] for k in FORM)
+
+
+def after_run(box_html, what: str = "generation"):
+    """Once a request has ended (finished, failed or stopped): Stop goes idle, and a box that
+    still shows the request as queued or in progress says it was stopped. Stop's own message
+    can be overwritten by a progress update the stopped stream had already sent (the page
+    cancels the stream and runs Stop side by side); this runs after the page has closed the
+    stream, so its word is the last."""
+    return (render_stopped(what) if in_flight(box_html) else gr.skip()), gr.update(**STOP_IDLE)
+
+
 def wire(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
          startup_notes: list[str], history: int) -> None:
     """Every listener of the page, on the components of the builders (``c``, by name)."""
+    generate_events = wire_generate(service, c, startup_notes=startup_notes, history=history)
+    sweep_event = wire_sweep(service, c)
+    c["stop_btn"].click(lambda: (render_stopped(), gr.update(**STOP_IDLE)),
+                        outputs=[c["status"], c["stop_btn"]], cancels=[*generate_events, sweep_event],
+                        **QUIET)
+    wire_view(demo, service, c, startup_notes=startup_notes)
+    wire_api(service, c)
+
+
+def wire_generate(service: AppService, c: dict[str, Any], *, startup_notes: list[str],
+                  history: int) -> list:
+    """Generate (the button and Enter in the prompt): the status box's check, then the queued
+    generation with its progress; returns the two generation events (Stop cancels them)."""
     form = [c[k] for k in FORM]
     ui_inputs = [*form, c["blind"], c["view_state"], c["error_map"], c["history"]]
-    ui_outputs = [c[k] for k in ("status", "player", "files", "record", "record_box", "seed_used",
-                                 "reveal", "view_state", "errmap", "history", "history_html",
-                                 "history_pick")]
-    view_targets = [c[k] for k in ("player", "files", "record", "record_box", "reveal",
-                                   "view_state")]
-    n_out = len(ui_outputs)
-    quiet = dict(queue=False, api_visibility="private", show_progress="hidden")
-
-    def view_outputs(view: ResultView | None):
-        hidden = view is None or view.hidden
-        return (render_player(view),
-                gr.update(value=list(view.files) if view and not hidden else None,
-                          visible=bool(view) and not hidden),
-                gr.update(value=view.record if view and not hidden else None),
-                gr.update(visible=bool(view) and not hidden),
-                gr.update(visible=bool(view) and view.hidden))
-
-    def errmap_html(view: ResultView | None) -> str:
-        if view is None or view.hidden:
-            return ""
-        labels = {m: method_label(view.record, m) for m in view.methods}
-        return render_error_map(read_error_map(view.error_map), labels)
-
-    def failure(message: str, title: str):
-        return (render_error(message, title), "", gr.update(value=None, visible=False),
-                gr.update(value=None), gr.update(visible=False), gr.skip(),
-                gr.update(visible=False), None, "", gr.skip(), gr.skip(), gr.skip())
-
-    def to_view(out: RunOutput, blind_on: bool) -> ResultView:
-        files = tuple(str(p) for p in out.clips.values()) + (str(out.side_by_side),
-                                                             str(out.record_path))
-        em_json = out.folder / "error_map.json"
-        if em_json.is_file():
-            files += (str(out.folder / "error_map.png"), str(em_json))
-        view = ResultView(run_id=out.run_id, methods=tuple(out.clips), files=files,
-                          media={m: str(p) for m, p in out.media.items()},
-                          record=out.record.to_dict(),
-                          downloads={m: str(p) for m, p in (out.downloads or {}).items()},
-                          error_map=str(em_json) if em_json.is_file() else None)
-        return view.with_blind(bool(blind_on))
-
-    def history_entry(out: RunOutput, view: ResultView, values: tuple) -> dict[str, Any]:
-        settings = dict(zip(FORM, values))
-        return {"settings": settings, "seed": out.record.seed, "view": view,
-                "labels": [method_label(view.record, m) for m in view.methods],
-                "when": time.strftime("%H:%M:%S")}
-
-    def history_outputs(entries: list[dict[str, Any]]):
-        choices = [(f"{i + 1}. {e['settings']['prompt'][:50]} · seed {e['seed']}", i)
-                   for i, e in enumerate(entries)]
-        return (entries, render_history(entries),
-                gr.update(choices=choices, value=0 if entries else None))
+    ui_outputs = [c[k] for k in UI_OUTPUTS]
+    view_targets = [c[k] for k in VIEW_TARGETS]
 
     def validate_ui(*values):
         return _validations(service, values, extra=len(ui_inputs) - len(FIELDS))
@@ -489,31 +572,6 @@ def wire(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
         accordion would hide their own messages); a valid request is said to be queued."""
         errors = service.field_errors(*values[:len(FIELDS)])
         return render_input_errors(errors) if errors else render_queued()
-
-    def show_plan(*values):
-        """What Generate will run with these settings (the prompt is checked on Generate)."""
-        values = ("…", *values[1:len(FIELDS)])
-        try:
-            settings = service.check(*values)
-        except InvalidInput as exc:
-            return render_plan(None, service, exc.errors)
-        return render_plan(settings, service)
-
-    def run_in_thread(fn):
-        """Run ``fn(cancel)`` in a worker thread; yields while it runs, then returns its result
-        or raises its exception. Stop (or the page going away) sets ``cancel``."""
-        cancel = threading.Event()
-        box: dict[str, Any] = {}
-
-        def work() -> None:
-            try:
-                box["out"] = fn(cancel)
-            except BaseException as exc:  # noqa: BLE001 - reported in the page
-                box["err"] = exc
-
-        worker = threading.Thread(target=work, name="attnqat-app-generate", daemon=True)
-        worker.start()
-        return worker, cancel, box
 
     def generate_ui(*values):
         """Generate from the page: progress bars while it runs, then the results."""
@@ -537,16 +595,15 @@ def wire(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
                 worker.join(POLL_S)
                 if worker.is_alive():
                     snap = progress.snapshot()
-                    yield (render_progress(snap, progress.describe(snap)), *[gr.skip()] * (n_out - 1))
+                    yield (render_progress(snap, progress.describe(snap)),
+                           *[gr.skip()] * (len(ui_outputs) - 1))
         finally:
             if worker.is_alive():  # Stop, or the page went away: stop at the next step
                 cancel.set()
         err = box.get("err")
-        if isinstance(err, GenerationFailed):
-            yield failure(str(err), "Generation failed")
-            return
         if err is not None:
-            yield failure(f"{type(err).__name__}: {err}", "Generation failed")
+            yield failure(str(err) if isinstance(err, GenerationFailed) else f"{type(err).__name__}: {err}",
+                          "Generation failed")
             return
         out: RunOutput = box["out"]
         view = to_view(out, blind_v)
@@ -557,71 +614,23 @@ def wire(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
                player_html, files_u, record_u, box_u, str(out.record.seed), reveal_u, view,
                errmap_html(view), *history_outputs(entries))
 
-    def set_blind(blind_v, view: ResultView | None):
-        if view is None:  # nothing shown yet (or a generation is running)
-            return (gr.skip(),) * 7
-        view = view.with_blind(bool(blind_v))
-        return (*view_outputs(view), view, errmap_html(view))
-
-    def do_reveal(view: ResultView | None):
-        if view is None:
-            return (gr.skip(),) * 7
-        view = view.reveal()
-        return (*view_outputs(view), view, errmap_html(view))
-
-    def sync_blind(blind_v, view: ResultView | None):
-        """Blind mode switched while generating: apply the box's current state."""
-        if view is None or view.blind == bool(blind_v):
-            return (gr.skip(),) * 7
-        return set_blind(blind_v, view)
-
-    def open_again(index, entries, blind_v):
-        entries = list(entries or [])
-        if index is None or not isinstance(index, int) or not 0 <= index < len(entries):
-            return (render_error("choose a generation in the list first.", "Nothing to open"),
-                    *(gr.skip(),) * 7)
-        e = entries[index]
-        view = e["view"].with_blind(bool(blind_v))
-        if not view.files_exist():
-            return (render_error("the server no longer keeps this result (it keeps the most "
-                                 "recent ones); load its settings and generate again.",
-                                 "Result removed"), *(gr.skip(),) * 7)
-        return (render_summary(view.record, None, skip_notes=startup_notes), *view_outputs(view),
-                view, errmap_html(view))
-
-    def load_settings(index, entries):
-        entries = list(entries or [])
-        if index is None or not isinstance(index, int) or not 0 <= index < len(entries):
-            return (gr.skip(),) * len(FORM)
-        st = dict(entries[index]["settings"])
-        st["seed"] = str(entries[index]["seed"])  # the seed that ran, so it reproduces
-        return tuple(st[k] for k in FORM)
-
-    busy = {"interactive": True, "variant": "stop"}
-    idle = {"interactive": False, "variant": "secondary"}
-
-    def after_run(box_html):
-        """Once a request has ended (finished, failed or stopped): Stop goes idle, and a box that
-        still shows the request as queued or in progress says it was stopped. Stop's own message
-        can be overwritten by a progress update the stopped stream had already sent (the page
-        cancels the stream and runs Stop side by side); this runs after the page has closed the
-        stream, so its word is the last."""
-        return (render_stopped() if in_flight(box_html) else gr.skip()), gr.update(**idle)
-    generate_events = []
+    events = []
     for trigger in (c["run_btn"].click, c["prompt"].submit):
-        trigger(input_status, inputs=ui_inputs, outputs=[c["status"]], **quiet)
-        trigger(lambda: gr.update(**busy), outputs=[c["stop_btn"]], **quiet)
+        trigger(input_status, inputs=ui_inputs, outputs=[c["status"]], **QUIET)
+        trigger(lambda: gr.update(**STOP_BUSY), outputs=[c["stop_btn"]], **QUIET)
         event = trigger(generate_ui, inputs=ui_inputs, outputs=ui_outputs, validator=validate_ui,
                         concurrency_limit=1, concurrency_id=CONCURRENCY_ID,
                         api_visibility="private", show_progress="full",
                         show_progress_on=[c["status"]])
-        generate_events.append(event)
+        events.append(event)
         event.then(sync_blind, inputs=[c["blind"], c["view_state"]],
-                   outputs=view_targets + [c["errmap"]], **quiet)
-        event.then(after_run, inputs=[c["status"]], outputs=[c["status"], c["stop_btn"]], **quiet)
+                   outputs=view_targets + [c["errmap"]], **QUIET)
+        event.then(after_run, inputs=[c["status"]], outputs=[c["status"], c["stop_btn"]], **QUIET)
+    return events
 
-    # The seed sweep (same queue, one at a time with generations).
-    sweep_inputs = [*form, c["sweep_n"], c["sweep_first"]]
+
+def wire_sweep(service: AppService, c: dict[str, Any]):
+    """The seed sweep (the generations' queue, one request at a time); returns its event."""
 
     def sweep_ui(*values):
         fields, n, first = values[:len(FORM)], values[len(FORM)], values[len(FORM) + 1]
@@ -661,38 +670,62 @@ def wire(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
         png = render_plot(res, folder / "sweep.png")
         yield render_sweep(res.to_dict()), gr.update(value=str(png), visible=True)
 
-    sweep_event = c["sweep_run"].click(
-        sweep_ui, inputs=sweep_inputs, outputs=[c["sweep_out"], c["sweep_plot"]],
+    event = c["sweep_run"].click(
+        sweep_ui, inputs=[*(c[k] for k in FORM), c["sweep_n"], c["sweep_first"]],
+        outputs=[c["sweep_out"], c["sweep_plot"]],
         concurrency_limit=1, concurrency_id=CONCURRENCY_ID, api_visibility="private")
-    c["sweep_run"].click(lambda: gr.update(**busy), outputs=[c["stop_btn"]], **quiet)
-    sweep_event.then(lambda box: ((render_stopped("sweep") if in_flight(box) else gr.skip()),
-                                  gr.update(**idle)),
-                     inputs=[c["sweep_out"]], outputs=[c["sweep_out"], c["stop_btn"]], **quiet)
+    c["sweep_run"].click(lambda: gr.update(**STOP_BUSY), outputs=[c["stop_btn"]], **QUIET)
+    event.then(lambda box: after_run(box, "sweep"), inputs=[c["sweep_out"]],
+               outputs=[c["sweep_out"], c["stop_btn"]], **QUIET)
+    return event
 
-    c["stop_btn"].click(lambda: (render_stopped(), gr.update(**idle)),
-                        outputs=[c["status"], c["stop_btn"]], cancels=[*generate_events, sweep_event],
-                        **quiet)
+
+def wire_view(demo: gr.Blocks, service: AppService, c: dict[str, Any], *,
+              startup_notes: list[str]) -> None:
+    """Everything that needs no generation: the plan line, Blind and Reveal, the history, the
+    seed reuse, the prompt's warning and the prompt builder."""
+    form = [c[k] for k in FORM]
+    view_out = [c[k] for k in VIEW_TARGETS] + [c["errmap"]]
+
+    def show_plan(*values):
+        """What Generate will run with these settings (the prompt is checked on Generate)."""
+        values = ("…", *values[1:len(FIELDS)])
+        try:
+            settings = service.check(*values)
+        except InvalidInput as exc:
+            return render_plan(None, service, exc.errors)
+        return render_plan(settings, service)
+
+    def open_again(index, entries, blind_v):
+        entries = list(entries or [])
+        if index is None or not isinstance(index, int) or not 0 <= index < len(entries):
+            return (render_error("choose a generation in the list first.", "Nothing to open"),
+                    *(gr.skip(),) * 7)
+        view = entries[index]["view"].with_blind(bool(blind_v))
+        if not view.files_exist():
+            return (render_error("the server no longer keeps this result (it keeps the most "
+                                 "recent ones); load its settings and generate again.",
+                                 "Result removed"), *(gr.skip(),) * 7)
+        return (render_summary(view.record, None, skip_notes=startup_notes), *view_outputs(view),
+                view, errmap_html(view))
+
     c["reuse"].click(lambda used: used if used else gr.skip(), inputs=[c["seed_used"]],
-                     outputs=[c["seed"]], **quiet)
+                     outputs=[c["seed"]], **QUIET)
     gr.on([f.change for f in form[1:]] + [demo.load], show_plan, inputs=form, outputs=[c["plan"]],
-          **quiet)
-    c["blind"].change(set_blind, inputs=[c["blind"], c["view_state"]],
-                      outputs=view_targets + [c["errmap"]], **quiet)
-    c["reveal"].click(do_reveal, inputs=[c["view_state"]], outputs=view_targets + [c["errmap"]],
-                      **quiet)
+          **QUIET)
+    c["blind"].change(set_blind, inputs=[c["blind"], c["view_state"]], outputs=view_out, **QUIET)
+    c["reveal"].click(do_reveal, inputs=[c["view_state"]], outputs=view_out, **QUIET)
     c["history_open"].click(open_again, inputs=[c["history_pick"], c["history"], c["blind"]],
-                            outputs=[c["status"], *view_targets, c["errmap"]], **quiet)
+                            outputs=[c["status"], *view_out], **QUIET)
     c["history_load"].click(load_settings, inputs=[c["history_pick"], c["history"]],
-                            outputs=form, **quiet)
+                            outputs=form, **QUIET)
     c["prompt"].change(lambda p: (f'<div class="aq-warn" role="status">{html.escape(w)}</div>'
                                   if (w := service.prompt_warning(p)) else ""),
-                       inputs=[c["prompt"]], outputs=[c["prompt_warning"]], **quiet)
+                       inputs=[c["prompt"]], outputs=[c["prompt_warning"]], **QUIET)
     if "b_use" in c:
         parts = [c[k] for k in ("b_colour1", "b_shape1", "b_motion1", "b_two", "b_colour2",
                                 "b_shape2", "b_motion2", "b_background")]
-        c["b_use"].click(built_prompt, inputs=parts, outputs=[c["prompt"]], **quiet)
-
-    wire_api(service, c)
+        c["b_use"].click(built_prompt, inputs=parts, outputs=[c["prompt"]], **QUIET)
 
 
 def wire_api(service: AppService, c: dict[str, Any]) -> None:
