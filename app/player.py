@@ -341,9 +341,14 @@ def _eta(seconds: float | None, rough: bool = False) -> str:
 IN_FLIGHT = "aq-inflight"
 
 
+_IN_FLIGHT_TAG = re.compile(r'\s*<div class="[^"]*\b' + IN_FLIGHT + r'\b')
+
+
 def in_flight(html_text: str | None) -> bool:
-    """Whether a status box's HTML is a queued or progress message, not a request's last word."""
-    return IN_FLIGHT in (html_text or "")
+    """Whether a status box's HTML is a queued or progress message, not a request's last word
+    (the class is read from the message's own first tag: a prompt quoted in a result cannot
+    pass for it)."""
+    return bool(_IN_FLIGHT_TAG.match(html_text or ""))
 
 
 def render_progress(snapshot: dict[str, Any], headline: str) -> str:

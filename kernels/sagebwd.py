@@ -445,7 +445,7 @@ def _dq_stored_kernel(DS8, SDS, RS, K8T, SK, KMEAN, DQ, sob, sos, soh, sod,
 DKDV_CONFIG = dict(split=True, num_warps=4, num_stages=1)
 DQ_CONFIG = dict(num_warps=8, num_stages=3, stored=False)
 #: the most bytes of dS codes one chunk of (batch, head) pairs keeps for ``stored`` dQ (the Wan 1.3B
-#: 480p shape: 1.07 GB a head, so two heads a chunk)
+#: 480p shape: 1.07 GB a head, so two heads a chunk; a chunk holds at least one pair)
 DS_CHUNK_BYTES = 2 << 30
 
 
@@ -465,7 +465,8 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     :data:`DQ_CONFIG`. dK/dV: ``split`` (a dV launch and a dK launch, each recomputing S, instead of
     one launch with both accumulators), ``dv``/``dk`` (options of one launch of a split). dQ:
     ``stored`` — the dK launch also writes dS's INT8 codes, block scales and row sums (per chunk of
-    (batch, head) pairs, at most :data:`DS_CHUNK_BYTES` of codes), and dQ is their product with K,
+    (batch, head) pairs, at most :data:`DS_CHUNK_BYTES` of codes or one pair's when that is more:
+    5.7 GB at 75,600 tokens), and dQ is their product with K,
     instead of a launch that recomputes S, P, dP and dS (the same values: the same arithmetic on
     the same operands, the row sums added in another order)."""
     B, Sq, H, D = q.shape

@@ -179,7 +179,8 @@ def test_a_stopped_request_ends_on_stopped_even_when_a_progress_update_lands_aft
             word, button = after.fn(shown)
             assert "Stopped" in word and button["interactive"] is False
         for last in (player.render_stopped(), player.render_error("boom"),
-                     player.render_input_errors({"prompt": "empty"}), "<div>summary</div>", ""):
+                     player.render_input_errors({"prompt": "empty"}), "<div>summary</div>", "",
+                     player.render_error('a prompt <div class="aq-inflight"> quoted')):
             word, _ = after.fn(last)
             assert word is gr.skip() or word == gr.skip()
     assert status is runs[0].outputs[0]
