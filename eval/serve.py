@@ -232,15 +232,23 @@ def open_study(study_dir: str | Path, db_url: str | None = None, name: str | Non
 
 
 def create_app(server: StudyServer) -> FastAPI:
-    """The FastAPI application for one study."""
+    """The FastAPI application for one study: the rater's pages and API, the clips, the organiser's
+    admin page and API."""
     app = FastAPI(title="Video comparison", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, limit=MAX_BODY_BYTES)
     app.mount("/static", StaticFiles(directory=_package_dir("static")), name="static")
-    Session, study_id, config = server.Session, server.study_id, server.config
-    media_root = server.media_dir.resolve()
-    pages = {n: _template(n) for n in ("rater.html", "landing.html", "refused.html", "admin.html")}
-    questions = [{"key": q, "text": QUESTION_TEXT[q]} for q in ("overall", *CRITERIA)]
+    _add_hooks(app)
+    _add_pages(app, server)
+    _add_rater_api(app, server)
+    _add_media_route(app, server)
+    admin, admin_write = _admin_dependencies(server)
+    _add_admin_routes(app, server, admin)
+    _add_admin_actions(app, server, admin_write)
+    return app
 
+
+def _add_hooks(app: FastAPI) -> None:
+    """Security headers on every response; every refusal and error as one JSON ``{"error"}``."""
     @app.middleware("http")
     async def headers(request: Request, call_next):  # noqa: ANN001, ANN202 - Starlette hook
         response = await call_next(request)
@@ -270,34 +278,12 @@ def create_app(server: StudyServer) -> FastAPI:
     async def not_found(_request: Request, exc: LookupError) -> JSONResponse:
         return JSONResponse({"error": str(exc.args[0] if exc.args else exc)}, status_code=404)
 
-    def admin(credentials: HTTPBasicCredentials = Depends(BASIC_AUTH)) -> None:  # noqa: B008
-        if not secrets.compare_digest(credentials.password.encode(), server.admin_password.encode()):
-            raise HTTPException(401, "wrong password", headers={"WWW-Authenticate": "Basic"})
 
-    def admin_write(request: Request, _auth: None = Depends(admin)) -> None:  # noqa: B008
-        """A state-changing admin request: from this origin, carrying the CSRF token, with a
-        JSON body (if any). The browser sends the organiser's basic-auth password with any
-        request to this server, a form on another site's page included; these checks refuse
-        what such a page can send."""
-        host = request.headers.get("host", "")
-        if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
-            raise HTTPException(403, "cross-origin request refused")
-        for header in ("origin", "referer"):
-            value = request.headers.get(header)
-            if value and value != "null" and urlsplit(value).netloc != host:
-                raise HTTPException(403, "cross-origin request refused")
-            if value == "null":
-                raise HTTPException(403, "cross-origin request refused")
-        token = request.headers.get(CSRF_HEADER, "")
-        if not secrets.compare_digest(token.encode(), server.csrf_token.encode()):
-            raise HTTPException(403, f"missing or wrong CSRF token (the {CSRF_HEADER} header; "
-                                     "GET /admin/api/csrf gives it)")
-        length = request.headers.get("content-length")
-        if length not in (None, "0") and not request.headers.get("content-type", "").startswith(
-                "application/json"):
-            raise HTTPException(415, "the body must be JSON (Content-Type: application/json)")
+def _add_pages(app: FastAPI, server: StudyServer) -> None:
+    """The landing page, a rater's page, the crowd link, the health check."""
+    Session, study_id, config = server.Session, server.study_id, server.config
+    pages = {n: _template(n) for n in ("rater.html", "landing.html", "refused.html")}
 
-    # --- pages -------------------------------------------------------------------------------
     @app.get("/", response_class=HTMLResponse)
     def landing() -> HTMLResponse:
         return HTMLResponse(pages["landing.html"])
@@ -331,7 +317,13 @@ def create_app(server: StudyServer) -> FastAPI:
     def healthz() -> dict:
         return {"ok": True}
 
-    # --- rater API ---------------------------------------------------------------------------
+
+
+def _add_rater_api(app: FastAPI, server: StudyServer) -> None:
+    """The rater API: state, start, the current pair, votes and problem reports."""
+    Session, study_id, config = server.Session, server.study_id, server.config
+    media_root = server.media_dir.resolve()
+    questions = [{"key": q, "text": QUESTION_TEXT[q]} for q in ("overall", *CRITERIA)]
     with Session() as session:
         n_practice = len(list(session.scalars(
             select(Item.id).where(Item.study_id == study_id, Item.kind == "practice",
@@ -398,7 +390,12 @@ def create_app(server: StudyServer) -> FastAPI:
             rating.report_problem(session, rater, body.assignment, body.reason, body.comment)
         return progress_of(token)
 
-    # --- media -------------------------------------------------------------------------------
+
+def _add_media_route(app: FastAPI, server: StudyServer) -> None:
+    """The clips of the study, under their random names only."""
+    Session, study_id = server.Session, server.study_id
+    media_root = server.media_dir.resolve()
+
     @app.get("/media/{name}")
     def clip(name: str) -> FileResponse:
         if not MEDIA_NAME.fullmatch(name):
@@ -419,10 +416,50 @@ def create_app(server: StudyServer) -> FastAPI:
         response.headers["Cache-Control"] = "private, max-age=3600"
         return response
 
-    # --- admin -------------------------------------------------------------------------------
+
+def _admin_dependencies(server: StudyServer):
+    """``(admin, admin_write)``: the FastAPI dependencies of the organiser's routes — the admin
+    password, and for state-changing requests the same-origin and CSRF checks too."""
+
+    def admin(credentials: HTTPBasicCredentials = Depends(BASIC_AUTH)) -> None:  # noqa: B008
+        if not secrets.compare_digest(credentials.password.encode(), server.admin_password.encode()):
+            raise HTTPException(401, "wrong password", headers={"WWW-Authenticate": "Basic"})
+
+    def admin_write(request: Request, _auth: None = Depends(admin)) -> None:  # noqa: B008
+        """A state-changing admin request: from this origin, carrying the CSRF token, with a
+        JSON body (if any). The browser sends the organiser's basic-auth password with any
+        request to this server, a form on another site's page included; these checks refuse
+        what such a page can send."""
+        host = request.headers.get("host", "")
+        if request.headers.get("sec-fetch-site", "same-origin") not in ("same-origin", "none"):
+            raise HTTPException(403, "cross-origin request refused")
+        for header in ("origin", "referer"):
+            value = request.headers.get(header)
+            if value and value != "null" and urlsplit(value).netloc != host:
+                raise HTTPException(403, "cross-origin request refused")
+            if value == "null":
+                raise HTTPException(403, "cross-origin request refused")
+        token = request.headers.get(CSRF_HEADER, "")
+        if not secrets.compare_digest(token.encode(), server.csrf_token.encode()):
+            raise HTTPException(403, f"missing or wrong CSRF token (the {CSRF_HEADER} header; "
+                                     "GET /admin/api/csrf gives it)")
+        length = request.headers.get("content-length")
+        if length not in (None, "0") and not request.headers.get("content-type", "").startswith(
+                "application/json"):
+            raise HTTPException(415, "the body must be JSON (Content-Type: application/json)")
+
+    return admin, admin_write
+
+
+def _add_admin_routes(app: FastAPI, server: StudyServer, admin) -> None:  # noqa: ANN001
+    """The organiser's page and read API (progress, results, votes, exports) behind the admin
+    password (the dependency ``admin``)."""
+    Session, study_id, config = server.Session, server.study_id, server.config
+    admin_html = _template("admin.html")
+
     @app.get("/admin", response_class=HTMLResponse, dependencies=[Depends(admin)])
     def admin_page() -> HTMLResponse:
-        return HTMLResponse(pages["admin.html"].replace("{{CSRF_TOKEN}}", server.csrf_token))
+        return HTMLResponse(admin_html.replace("{{CSRF_TOKEN}}", server.csrf_token))
 
     @app.get("/admin/api/csrf", dependencies=[Depends(admin)])
     def admin_csrf() -> dict:
@@ -476,6 +513,11 @@ def create_app(server: StudyServer) -> FastAPI:
         return Response(body, media_type=kind, headers={
             "Content-Disposition": f'attachment; filename="{name}"'})
 
+
+def _add_admin_actions(app: FastAPI, server: StudyServer, admin_write) -> None:  # noqa: ANN001
+    """The organiser's writes: invites, a rater released, revoked or excluded, an item excluded."""
+    Session, study_id, config = server.Session, server.study_id, server.config
+
     @app.post("/admin/api/invites", dependencies=[Depends(admin_write)])
     def admin_invites(body: InvitesIn) -> dict:
         days = config.invite_days if body.days is None else body.days
@@ -509,8 +551,6 @@ def create_app(server: StudyServer) -> FastAPI:
             item = rating.find_item(session, study_id, item_id)
             released = rating.set_item_excluded(session, item, body.excluded, body.reason)
             return {"ok": True, "item": item_id, "excluded": item.excluded, "released": released}
-
-    return app
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

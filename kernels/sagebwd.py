@@ -170,7 +170,6 @@ def _fwd_kernel(Q8, SQ, K8, SK, V8T, SV, O, LSE2, T,
     h = bh % H
     offs_m = start_m * BM + tl.arange(0, BM)
     offs_d = tl.arange(0, D)
-    offs_n0 = tl.arange(0, BN)
     bh64 = bh.to(tl.int64)
     q8 = tl.load(Q8 + bh64 * Sqp * D + offs_m[:, None] * D + offs_d[None, :])
     sq = tl.load(SQ + bh64 * (Sqp // 128) + (start_m * BM) // 128)
