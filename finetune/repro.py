@@ -244,15 +244,18 @@ def _start_weights(args, name: str, seed: int | None = None) -> Path:
     return args.start_from / "export" / name
 
 
+def lora_lr(args) -> float:
+    """The learning rate of the LoRA runs: ``--lora-lr``, by default 5 × ``--lr``."""
+    return args.lora_lr if getattr(args, "lora_lr", None) is not None else 5 * args.lr
+
+
 def train_args(args, name: str, seed: int | None = None) -> list[str]:
     """The ``attnqat finetune train`` arguments of run ``name`` with training ``seed`` (default
     ``--seed``)."""
     attention, ablation, _ = RUNS[name]
     seed = args.seed if seed is None else seed
     out = args.work / "runs" / run_key(args, name, seed)
-    lr = args.lr
-    if name in RUN_LORA:
-        lr = args.lora_lr if getattr(args, "lora_lr", None) is not None else 5 * args.lr
+    lr = lora_lr(args) if name in RUN_LORA else args.lr
     a = ["--model", _shown(args.model), "--data", "synthetic", "--out", _shown(out), "--attention", attention,
          "--steps", str(args.steps), "--batch-size", str(args.batch_size), "--lr", str(lr),
          "--warmup", str(args.warmup), "--schedule", "constant", "--ema", str(args.ema),
@@ -1091,7 +1094,7 @@ def command_line(args: argparse.Namespace) -> str:
     if getattr(args, "seeds", None) is not None:
         a += ["--seeds", str(args.seeds)]
     if any(r.strip() in RUN_LORA for r in args.runs.split(",")):
-        a += ["--lora-lr", str(args.lora_lr if getattr(args, "lora_lr", None) is not None else 5 * args.lr)]
+        a += ["--lora-lr", str(lora_lr(args))]
     if args.start_from is not None:
         a += ["--start-from", _shown(args.start_from)]
     if args.size is not None:
