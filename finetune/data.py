@@ -292,7 +292,7 @@ def data_fingerprint(source) -> str:
 # Order and batching
 
 
-def _mix(*xs: int) -> int:
+def mix_seed(*xs: int) -> int:
     """A 63-bit seed from integers (splitmix64 steps), so nearby inputs give unrelated seeds."""
     h = 0x9E3779B97F4A7C15
     for x in xs:
@@ -305,7 +305,7 @@ def _mix(*xs: int) -> int:
 def sample_seed(seed: int, sample: int) -> int:
     """Seed of the random draws (noise level, noise, caption dropout) of global sample
     ``sample``: the same on any number of GPUs, and after a resume."""
-    return _mix(seed, 0x51, sample)
+    return mix_seed(seed, 0x51, sample)
 
 
 class DataOrder:
@@ -320,7 +320,7 @@ class DataOrder:
             return g
         epoch, pos = divmod(g, self.n)
         if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(_mix(self.seed, 0xDA7A, epoch))
+            gen = torch.Generator().manual_seed(mix_seed(self.seed, 0xDA7A, epoch))
             self._perm = (epoch, torch.randperm(self.n, generator=gen))
         return int(self._perm[1][pos])
 

@@ -41,7 +41,7 @@ from attnqat import methods as registry
 from . import checkpoint as ckpt
 from .cache import check_fps, model_fps
 from .data import (CACHE_MANIFEST, DataError, DataOrder, LatentCache, data_fingerprint, loader,
-                   _mix, open_source, pad_text, read_cache_manifest, sample_seed)
+                   mix_seed, open_source, pad_text, read_cache_manifest, sample_seed)
 from . import mesh
 from .distributed import PRECISIONS, DistContext, all_max, all_sum, local
 from .objective import (OBJECTIVES, SIGMA_SAMPLINGS, distill_target, flow_matching_loss, make_teacher,
@@ -527,7 +527,7 @@ class Trainer:
         if cfg.lora_rank:
             from attnqat.lora import add_lora, frozen_base_to
 
-            add_lora(transformer, cfg.lora_rank, cfg.lora_alpha, seed=_mix(cfg.seed, 0x10A))
+            add_lora(transformer, cfg.lora_rank, cfg.lora_alpha, seed=mix_seed(cfg.seed, 0x10A))
             if self.precision == "bf16":
                 self.base_bf16 = frozen_base_to(transformer, torch.bfloat16)
         # offloaded, the weights stay in CPU memory and FSDP2 moves each block in when it runs;
