@@ -1,14 +1,18 @@
 """Tuning bench of the ``sagebwd`` kernels against cuDNN BF16 SDPA in one process (CUDA only).
 
-    python -m attnqat.kernels.sagebwd_bench [--variants] [--profile] [--json PATH]
+    python -m attnqat.kernels.sagebwd_bench [--variants [--pick]] [--profile] [--json PATH]
 
 Times, at the Wan 2.1 1.3B 480p shape (B=1, H=12, S=32,760, D=128; random BF16 inputs): cuDNN's
 forward and forward+backward, then sagebwd's (quantization included), each twice (the spread is
 the noise), and prints the ratios. ``--profile``: CUDA time per kernel (torch.profiler).
 ``--variants``: the tile configurations (warps, pipeline stages, forward query tile) of each kernel,
 and dQ from stored dS codes (``dq: stored``), each checked against the default's output before it
-is timed (the backward rows time the whole backward). The rows that go into
-docs/benchmarks.md come from ``attnqat bench kernels``; this is how the defaults were chosen.
+is timed (the backward rows time the whole backward). ``--pick``: then the combinations of the
+fastest rows (the split's best dV and dK launch options with the best recomputing dQ; with the best
+stored-dS dQ), each checked and timed the same way, and the fastest forward and backward overall as
+``best`` in the JSON (``docs/benchmarks/sagebwd_floors.py`` times the floors with them). The rows
+that go into docs/benchmarks.md come from ``attnqat bench kernels``; this is how the defaults are
+chosen.
 """
 
 from __future__ import annotations
@@ -35,9 +39,60 @@ def time_pair(fn_fwd, fn_step, rep_ms):
     return ([_bench(fn_fwd, rep_ms), _bench(fn_fwd, rep_ms)], [_bench(fn_step, rep_ms), _bench(fn_step, rep_ms)])
 
 
+#: a variant row counts for --pick only this close to the default's output (relative L2; the
+#: variants are bit-identical but for stored dS's row sums, added in another order)
+PICK_TOLERANCE = 1e-3
+
+
+def backward_config(key: str, cfg: dict) -> dict:
+    """The backward ``config`` a variant row timed: its kernel's options, or all of them."""
+    return cfg if key in ("dkdv+dq", "combo") else {key: cfg}
+
+
+def _fastest(rows, pred):
+    ok = [r for r in rows if "ms" in r and r["err_vs_default"] <= PICK_TOLERANCE and pred(r)]
+    return min(ok, key=lambda r: min(r["ms"])) if ok else None
+
+
+def combinations(rows) -> list[dict]:
+    """Backward configurations made of the fastest variant rows' options, not timed yet: the split
+    with its best dV and dK launch options and the best recomputing dQ; and the same dV launch
+    options with the best split stored-dS row (the dV launch stores nothing)."""
+    default = _fastest(rows, lambda r: r["kernel"] == "dq" and r["config"] == {})
+    if default is None:
+        return []
+    t0 = min(default["ms"])
+    launch = {}
+    for part in ("dv", "dk"):
+        r = _fastest(rows, lambda r, p=part: r["kernel"] == "dkdv" and p in r["config"])
+        if r is not None and min(r["ms"]) < t0:
+            launch[part] = r["config"][part]
+    dq = _fastest(rows, lambda r: r["kernel"] == "dq")
+    out = [{"dkdv": {"split": True, **launch}, "dq": dq["config"]}]
+    stored = _fastest(rows, lambda r: r["kernel"] == "dkdv+dq" and r["config"]["dkdv"].get("split"))
+    if stored is not None and "dv" in launch:
+        cfg = json.loads(json.dumps(stored["config"]))
+        cfg["dkdv"]["dv"] = launch["dv"]
+        out.append(cfg)
+    return [c for c in out if all(c != r.get("config") for r in rows)]
+
+
+def pick(rows) -> dict:
+    """The fastest forward and backward rows' configurations, as one ``sagebwd_attention`` config
+    (``{}`` where the default was fastest or nothing was timed)."""
+    fwd = _fastest(rows, lambda r: r["kernel"] == "fwd")
+    bwd = _fastest(rows, lambda r: r["kernel"] != "fwd")
+    best = {"fwd": fwd["config"]} if fwd is not None else {}
+    if bwd is not None:
+        best.update(backward_config(bwd["kernel"], bwd["config"]))
+    return best
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--pick", action="store_true", help="with --variants: time the best rows' "
+                    "combinations and record the fastest configuration as 'best'")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--rep-ms", type=float, default=400.0)
     ap.add_argument("--fwd", action="append", default=[], help="extra forward config as JSON")
@@ -89,6 +144,7 @@ def main(argv=None) -> int:
 
     variants = []
     if args.variants:
+        variants += [("fwd", {}), ("dq", {})]   # the defaults, timed as the variants are
         for bm, w, st in ((128, 8, 3), (128, 8, 4), (64, 4, 2), (64, 4, 4), (64, 8, 3)):
             variants.append(("fwd", dict(BM=bm, num_warps=w, num_stages=st)))
         variants.append(("dkdv", dict(split=False, num_warps=4, num_stages=1)))   # 2 stages: 346 KiB of shared memory
@@ -113,7 +169,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         o_ref, st_ref = ks.forward(q, k, v, 128 ** -0.5, training=True)
     g_ref = ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5)
-    for key, cfg in variants:
+
+    def time_variant(key, cfg):
         name = f"{key} {cfg}"
         try:
             if key == "fwd":
@@ -124,7 +181,7 @@ def main(argv=None) -> int:
                     f = [_bench(lambda: ks.forward(q, k, v, 128 ** -0.5, training=False, config=cfg), args.rep_ms)
                          for _ in range(2)]
             else:
-                bcfg = cfg if key == "dkdv+dq" else {key: cfg}   # "dkdv+dq": options of both
+                bcfg = backward_config(key, cfg)
                 g = ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5, config=bcfg)
                 err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(g, g_ref))
                 f = [_bench(lambda: ks.backward(q, k, v, o_ref, do, st_ref, 128 ** -0.5, config=bcfg),
@@ -135,6 +192,14 @@ def main(argv=None) -> int:
             rows.append(dict(name=name, error=f"{type(exc).__name__}: {exc}"[:300]))
             print(f"{name:60s} ERROR {type(exc).__name__}: {str(exc)[:150]}", flush=True)
         torch.cuda.empty_cache()
+
+    for key, cfg in variants:
+        time_variant(key, cfg)
+    if args.pick:
+        for cfg in combinations(rows):
+            time_variant("combo", cfg)
+        out["best"] = pick(rows)
+        print(f"best: {json.dumps(out['best'])}", flush=True)
 
     c, s = base["cudnn"], base["sage"]
     print("\nsummary (min of two timings), Wan 1.3B 480p B=1 H=12 S=32760 D=128, "

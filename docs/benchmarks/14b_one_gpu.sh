@@ -15,7 +15,8 @@
 #
 # Environment: OUT (required); ROWS (comma-separated, default all four below, in that order);
 # BUDGET_S (seconds for all rows together, default 400: each row's limit is cut to what is left, and
-# a row with under MIN_ROW_S (default 45) s left is recorded as not run); WORK (default
+# a row with under MIN_ROW_S (default 45) s left is recorded as not run); ROW_LIMIT_S (each row's
+# own limit instead of the defaults below, still cut to the budget left); WORK (default
 # /tmp/14b_one_gpu); PYTHON (default python3); CONFIG (default 14b) and EXTRA (more bench train
 # arguments) only for trying the script itself on a small model, e.g.
 # CONFIG=tiny EXTRA="--device cpu --resolution 32x32 --frames 5" (tests/test_bench_train_14b.py).
@@ -69,6 +70,7 @@ json.dump({"config": sys.argv[4], "row": sys.argv[2], "args": sys.argv[3], "rows
 PY
     return
   fi
+  limit=${ROW_LIMIT_S:-$limit}
   [ "$limit" -gt "$left" ] && limit=$left
   el "$name: attnqat bench train --config $CONFIG $* $EXTRA (limit ${limit} s)"
   local k0 t1 pid rss peak=0 last=0 killed=0
