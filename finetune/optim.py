@@ -60,14 +60,19 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def _like(param: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``t`` (laid out like the local shard of ``param`` along dim 0) as a DTensor sharded as
-    ``param`` is, or itself when ``param`` is a plain tensor."""
+    ``param`` is, or itself when ``param`` is a plain tensor. ``t`` stays where it is: under FSDP2's
+    CPU offload the parameter's shard is in CPU memory on a CUDA mesh, and so is its state
+    (``DTensor.from_local`` would move it to the mesh's device; FSDP2 builds its own DTensors
+    this way too)."""
     if not hasattr(param, "to_local"):
         return t
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-    shape = (param.shape[0], *t.shape[1:])
-    return DTensor.from_local(t, param.device_mesh, param.placements, run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+    shape = torch.Size((param.shape[0], *t.shape[1:]))
+    meta = TensorMeta(shape, torch.empty(shape, device="meta").stride(), t.dtype)
+    return DTensor(t, DTensorSpec(param.device_mesh, tuple(param.placements), tensor_meta=meta),
+                   requires_grad=False)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,53 @@ def test_adamw8bit_follows_adamw_with_a_quarter_of_the_state():
     assert opt8.state_bytes() < 0.4 * fp32_bytes   # 2 bytes a weight + block scales + the vector
 
 
+def _cpu_shard_on_cuda_mesh(local: torch.Tensor, mesh) -> torch.Tensor:
+    """A DTensor parameter as FSDP2's CPU offload holds it: the shard in CPU memory, the mesh CUDA."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(local.shape, local.stride(), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, (Shard(0),), tensor_meta=meta), requires_grad=False)
+
+
+def test_adamw8bit_keeps_an_offloaded_shards_state_in_cpu_memory():
+    """Under FSDP2's CPU offload a parameter's shard lives in CPU memory on a CUDA mesh. The 8-bit
+    state must stay beside it: made with DTensor.from_local it went to the GPU, and the first
+    optimizer step of a 14B --offload run failed mixing cuda:0 and cpu tensors. Here the mesh
+    claims CUDA on a machine without one, so any move to it fails."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        _step_offloaded_shards(DeviceMesh("cuda", torch.arange(1), _init_backend=False))
+    finally:
+        dist.destroy_process_group()
+
+
+def _step_offloaded_shards(mesh) -> None:
+    torch.manual_seed(0)
+    w, b = torch.randn(8, 200), torch.randn(8)
+    params = [torch.nn.Parameter(_cpu_shard_on_cuda_mesh(t.clone(), mesh)) for t in (w, b)]
+    plain = [torch.nn.Parameter(t.clone()) for t in (w, b)]
+    opts = [AdamW8bit(ps, lr=1e-2, seed=3) for ps in (params, plain)]
+    for step in range(3):
+        grads = [torch.randn(8, 200), torch.randn(8)]
+        for p, q, g in zip(params, plain, grads):
+            p.grad = _cpu_shard_on_cuda_mesh(g.clone(), mesh)
+            q.grad = g.clone()
+        for opt in opts:
+            opt.step()
+    for p, q in zip(params, plain):
+        assert torch.equal(p.to_local(), q.detach())   # the same update as a plain tensor's
+    for st in opts[0].state.values():
+        for v in st.values():
+            local = v.to_local() if hasattr(v, "to_local") else v
+            assert local.device.type == "cpu"
+            assert not hasattr(v, "to_local") or v.shape[0] == 8   # sharded like its parameter
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return small_model(tmp_path_factory.mktemp("optim") / "small-wan")

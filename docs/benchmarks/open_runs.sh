@@ -15,13 +15,15 @@
 #   eval     their evaluation, development prompts 220-459 only (docs/finetune.md, LoRA; issue 33):
 #            the base's configurations first, then the others in parallel processes; the report
 #            once every configuration is recorded -> $OUT/study.tar.gz (records, logs; no weights)
-#   14b      docs/benchmarks/14b_one_gpu.sh with ROWS14 (default lora32) -> $OUT/14b/
+#   14b:ROWS docs/benchmarks/14b_one_gpu.sh with those rows (comma-separated; "14b" alone: ROWS14,
+#            default lora32) -> $OUT/14b-ROWS/
 #
 # Work folders stay on a warm machine (30 s idle), so a second call continues: repro skips runs
 # trained and configurations recorded (one cut off is evaluated again from its start).
 #
 #   LANES="sagebwd+14b train+eval" OUT=/tmp/out bash docs/benchmarks/open_runs.sh   # 2 GPUs, call 1
 #   LANES="floors+14b train+eval" ROWS14=full-offload-8bit OUT=... bash ...          # call 2
+#   LANES="14b:full-offload-8bit 14b:full-8bit" ROW_LIMIT_S=600 OUT=... bash ...       # call 3
 #
 # The call begins with the wheel install of docs/development.md ("Running on the lent GPU").
 # Environment: OUT (required), LANES (default "sagebwd+floors train+eval+14b"), DEADLINE (seconds,
@@ -94,9 +96,11 @@ job() {
       wait "${pids[@]}"
       study --stages report >> "$W/study/logs/report.log" 2>&1
       pack ;;
-    14b)
-      OUT="$OUT/14b" ROWS=${ROWS14:-lora32} BUDGET_S=$(( $(left) - 20 )) bash docs/benchmarks/14b_one_gpu.sh \
-        > "$W/14b.log" 2>&1 ;;
+    14b|14b:*)
+      local rows=${1#14b:}
+      [ "$rows" = "$1" ] && rows=${ROWS14:-lora32}
+      OUT="$OUT/14b-$rows" WORK="$W/14b-$rows" ROWS=$rows BUDGET_S=$(( $(left) - 20 )) \
+        bash docs/benchmarks/14b_one_gpu.sh > "$W/14b-$rows.log" 2>&1 ;;
     *) el "unknown job $1 (sagebwd, floors, train, eval, 14b)"; return 2 ;;
   esac
 }
@@ -120,8 +124,8 @@ else
   for i in "${!lanes[@]}"; do run_lane "$i"; done
 fi
 [ -d "$W/study" ] && pack   # a study cut off at the deadline: what it finished
-ls -la "$OUT" "$OUT/14b" "$OUT/floors" 2>/dev/null
+ls -la "$OUT" "$OUT"/14b-* "$OUT/floors" 2>/dev/null
 tail -n 12 "$OUT/sagebwd.log" 2>/dev/null
 grep -h "^==\|ratio\|sagebwd\|bf16" "$OUT/floors.log" 2>/dev/null | tail -n 16
 grep -h -E "all-correct|Error|stopped|done:" "$W"/study/logs/*.log 2>/dev/null | tail -n 20
-tail -n 8 "$W/14b.log" 2>/dev/null
+tail -q -n 8 "$W"/14b-*.log 2>/dev/null
