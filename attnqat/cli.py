@@ -95,11 +95,11 @@ def _load(cmd: Command):
         raise
 
 
-def _add(subparsers, cmd: Command) -> None:
+def _add(subparsers, cmd: Command, group: str | None = None) -> None:
     parser = subparsers.add_parser(cmd.name, help=cmd.help, description=cmd.help,
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.set_defaults(_command=cmd)
-    module = _load(cmd) if _wants(cmd) else None
+    module = _load(cmd) if _wants(cmd, group) else None
     if module is not None:
         module.add_arguments(parser)
 
@@ -112,9 +112,11 @@ def invocation() -> list[str]:
     return ["attnqat", *_ARGV]
 
 
-def _wants(cmd: Command) -> bool:
-    """Import a feature module only when its command (or a help listing it) is being parsed."""
-    return cmd.name in _ARGV
+def _wants(cmd: Command, group: str | None = None) -> bool:
+    """Import a feature module only when its command is the one being parsed: ``attnqat NAME`` or
+    ``attnqat GROUP NAME``. An argument that only looks like a command's name (``repro --stages
+    report``) imports nothing more: that loaded ``eval report`` and its database modules."""
+    return _ARGV[:2] == [group, cmd.name] if group else _ARGV[:1] == [cmd.name]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         gsub = gp.add_subparsers(title=f"{group} commands", metavar="COMMAND")
         gp.set_defaults(_group_parser=gp)
         for cmd in commands:
-            _add(gsub, cmd)
+            _add(gsub, cmd, group)
     return parser
 
 

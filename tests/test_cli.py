@@ -101,6 +101,22 @@ def test_command_whose_module_is_absent_says_not_implemented(monkeypatch, capsys
     assert "not implemented yet" in capsys.readouterr().err
 
 
+def test_only_the_command_being_parsed_imports_its_module(monkeypatch):
+    """`attnqat repro --stages report` parses repro alone: the word "report" used to import `eval
+    report` and its database modules too, which the GPU machine lacks (the study's report stage
+    failed there, 2026-11-28)."""
+    loaded = []
+    monkeypatch.setattr(cli, "_load", lambda cmd: loaded.append(cmd.module))
+    for argv, want in ((["repro", "--stages", "report"], ["attnqat.finetune.repro"]),
+                       (["eval", "report", "--help"], ["attnqat.eval.report"]),
+                       (["bench", "train", "--json", "wan"], ["attnqat.finetune.bench_train"]),
+                       (["finetune", "--help"], [])):
+        loaded.clear()
+        cli._ARGV[:] = argv
+        cli.build_parser()
+        assert loaded == want, argv
+
+
 def test_kernel_benchmark_method_names_pick_the_schedule(monkeypatch):
     """``-triton`` / ``-gluon`` force a schedule, a bare name is what backend='auto' runs."""
     from attnqat import kernels
