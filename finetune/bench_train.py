@@ -212,7 +212,8 @@ def bench_method(method: str, config: dict, ctx, *, height: int, width: int, fra
     gen = torch.Generator(device="cpu").manual_seed(1 + ctx.data_rank)   # an sp group: one clip
     latents = torch.randn(1, *lat, generator=gen).to(dev)
     text = torch.randn(1, 512, config["text_dim"], generator=gen).to(dev)
-    phase("setting up the trainer (LoRA, FSDP2" + (" CPU offload" if offload else "") + ", optimizer)")
+    phase("setting up the trainer (" + (f"LoRA rank {lora_rank}, " if lora_rank else "")
+          + "FSDP2" + (" CPU offload" if offload else "") + ", optimizer)")
     t0 = time.perf_counter()
     trainer = Trainer(cfg, model, ctx, torch.zeros(512, config["text_dim"]))
     if dev.type == "cuda":
