@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from playwright.sync_api import sync_playwright
 
+    from attnqat.video import palette_png
+
     from .service import load_service
     from .ui import build_app, launch
 
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(out), full_page=True)
             browser.close()
+        palette_png(out)   # a 256-colour palette: a third of the bytes
     finally:
         demo.close()
         service.close()

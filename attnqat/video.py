@@ -228,6 +228,17 @@ def _label_png(label: str, width: int, band: int, path: Path) -> Path:
     return path
 
 
+def palette_png(path: str | Path) -> Path:
+    """Re-save a PNG (a plot, a screenshot) with a 256-colour palette: a third of the bytes or less
+    for flat-coloured images, which keeps the records a GPU call carries small (docs/development.md)."""
+    from PIL import Image
+
+    with Image.open(path) as im:
+        q = im.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    q.save(path, optimize=True)
+    return Path(path)
+
+
 def side_by_side(videos: Mapping[str, str | Path], out: str | Path, *, fps: float | None = None,
                  crf: int = 17, renderer: str = "auto") -> Path:
     """Stack mp4 clips horizontally, each under a header band with its label.
@@ -363,5 +374,5 @@ def ssim(a, b, *, frames_per_chunk: int = 8) -> float:
     return total / count
 
 
-__all__ = ["drawtext_font", "ffmpeg_exe", "probe_header", "probe_mp4", "psnr", "read_mp4",
+__all__ = ["drawtext_font", "ffmpeg_exe", "palette_png", "probe_header", "probe_mp4", "psnr", "read_mp4",
            "side_by_side", "ssim", "to_uint8_frames", "write_mp4"]

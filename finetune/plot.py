@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attnqat.video import palette_png
+
 from .runlog import read_log
 
 
@@ -69,7 +71,7 @@ def plot_runs(runs: list[Path], out: Path, *, labels: list[str] | None = None, s
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     plt.close(fig)
-    return out
+    return palette_png(out)
 
 
 def run(args: argparse.Namespace) -> int:
