@@ -119,8 +119,9 @@ PAIRS = (("qat-nvfp4", "base-bf16"), ("qat-nvfp4", "base-nvfp4"), ("qat-nvfp4", 
          ("qad-nvfp4", "qad-bf16"),
          # how much of full fine-tuning's NVFP4 recovery LoRA keeps (issue 37), per rank
          *((f"qad-lora{r}-nvfp4", b) for r in (8, 32, 128) for b in ("base-nvfp4", "qad-nvfp4")),
-         # SageBwd fine-tuning with its own INT8 attention and with NVFP4 (SageAttention3 Table 5)
-         ("sbwd-sagebwd", "base-bf16"), ("sbwd-sagebwd", "base-sagebwd"), ("sbwd-nvfp4", "base-nvfp4"),
+         # SageBwd fine-tuning with its own INT8 attention and with NVFP4 (SageAttention3 Table 5);
+         # INT8 attention's own cost to the base first
+         ("base-sagebwd", "base-bf16"), ("sbwd-sagebwd", "base-bf16"), ("sbwd-sagebwd", "base-sagebwd"), ("sbwd-nvfp4", "base-nvfp4"),
          ("sbwd-nvfp4", "qat-nvfp4"), ("sbwd-nvfp4", "control-nvfp4"), ("sbwd-bf16", "control-bf16"))
 #: docs/repro/protocol.md §6: H1's equivalence margin (all-correct rate) and the family-wise α of H2–H5
 MARGIN, ALPHA = 0.03, 0.05
