@@ -400,8 +400,6 @@ def weights_sha256(args, models, key: str) -> dict[str, str]:
 
 
 def stage_eval(args, runs: list[str], configs: list[str]) -> int:
-
-
     folder = args.work / "eval"
     folder.mkdir(parents=True, exist_ok=True)
     todo = [it for it in eval_items(args, runs, configs) if record_file(folder / f"{it[3]}.json") is None]
@@ -736,22 +734,13 @@ def _label(c: str, recs: list[dict]) -> str:
     return CONFIGS[c][2] + (f" ({n} seeds)" if n > 1 else "")
 
 
-def stage_report(args, runs: list[str], command: str) -> int:
-
-    ev = load_evals(args.work)
-    if "base-bf16" not in ev:
-        log("nothing to report: run the eval stage first")
-        return 2
-    figs = args.figures or args.doc.parent
-    figs.mkdir(parents=True, exist_ok=True)
-    run_dirs = {k: (r, s, args.work / "runs" / k) for r, s, k in units(args, runs)
-                if record_file(args.work / "runs" / k / "log.jsonl")}
+def _report_header(args, ev: dict, run_dirs: dict, command: str, role: str) -> tuple[list[str], dict | None]:
+    """The report's title, how it was made, the evaluation and the fine-tuning settings; and the
+    first run's config (None without runs)."""
     e0 = ev["base-bf16"][0]
     s = e0["settings"]
     n = len(e0["clips"])
     first = e0["first_prompt"]
-    role = ("confirmatory (evaluated once, after docs/repro/protocol.md)" if first + n - 1 >= 900 else
-            "development — exploratory: these prompts may have chosen settings")
     seeds = sorted({r.get("seed") for recs in ev.values() for r in recs if r.get("seed") is not None})
     lines = ["# Attn-QAT on the embedded tiny model", "",
              f"Written by `{command}` on {now()[:10]} (every number below comes from it; the "
@@ -766,33 +755,38 @@ def stage_report(args, runs: list[str], command: str) -> int:
               "of several seeds is scored per prompt by the mean over its seeds."]
     if args.notes is not None:
         lines += ["", args.notes.read_text().strip()]
-    cfg0 = None
-    if run_dirs:
-        cfg0 = json.loads((next(iter(run_dirs.values()))[2] / "config.json").read_text())
-        start = (f"`{_shown(cfg0['model'])}`" if not cfg0.get("transformer") else
-                 f"each run's own earlier export (`{_shown(Path(cfg0['transformer']).parent)}/RUN`: "
-                 "a continuation with a fresh optimizer and warm-up)")
-        lines += ["", f"Fine-tuning (every run the same but for the student attention and the objective): from "
-                  f"{start}, {cfg0['width']} × {cfg0['height']} clips of {cfg0['frames']} frames, "
-                  f"the synthetic shapes stream (training split, "
-                  f"{cfg0.get('two_objects') if cfg0.get('two_objects') is not None else 0.5:.0%} two-object clips), "
-                  f"{cfg0['steps']} steps of batch {cfg0['batch_size']}, AdamW lr {cfg0['lr']} "
-                  f"({cfg0['schedule']}, {cfg0['warmup']} warm-up steps), weight decay "
-                  f"{cfg0['weight_decay']}, clipping {cfg0['grad_clip']}, caption dropout "
-                  f"{cfg0['caption_dropout']}, flow shift {cfg0['shift']}, EMA {cfg0['ema']} "
-                  f"(the exported weights), self-attention quantized, VAE and text encoder frozen. "
-                  "Each run is `attnqat finetune train` with:", ""]
-        for k, (r, sd, _) in run_dirs.items():
-            lines.append(f"- {RUNS[r][2]}{'' if k == r else f' (seed {sd})'}: "
-                         f"`attnqat finetune train {shlex.join(train_args(args, r, sd))}`")
-    lines += ["", "## Quality", "",
-              "Object-level rates for colour, shape and motion (one- and two-object prompts); clip-level "
-              "rate of clips with everything right, pooled over training seeds; 95 % Wilson intervals in "
-              "brackets (of the pooled clips: with several seeds the spread across seeds is the honest "
-              "width, shown beside it); the scorer's mean quality score; PSNR and SSIM against the base "
-              "model's BF16 clip of the same prompt and seed, and PSNR against the same weights' BF16 clip.",
-              "", "| configuration | colour | shape | motion | all correct | across seeds | quality | "
-              "PSNR vs base BF16 | SSIM | PSNR vs own BF16 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    if not run_dirs:
+        return lines, None
+    cfg0 = json.loads((next(iter(run_dirs.values()))[2] / "config.json").read_text())
+    start = (f"`{_shown(cfg0['model'])}`" if not cfg0.get("transformer") else
+             f"each run's own earlier export (`{_shown(Path(cfg0['transformer']).parent)}/RUN`: "
+             "a continuation with a fresh optimizer and warm-up)")
+    lines += ["", f"Fine-tuning (every run the same but for the student attention and the objective): from "
+              f"{start}, {cfg0['width']} × {cfg0['height']} clips of {cfg0['frames']} frames, "
+              f"the synthetic shapes stream (training split, "
+              f"{cfg0.get('two_objects') if cfg0.get('two_objects') is not None else 0.5:.0%} two-object clips), "
+              f"{cfg0['steps']} steps of batch {cfg0['batch_size']}, AdamW lr {cfg0['lr']} "
+              f"({cfg0['schedule']}, {cfg0['warmup']} warm-up steps), weight decay "
+              f"{cfg0['weight_decay']}, clipping {cfg0['grad_clip']}, caption dropout "
+              f"{cfg0['caption_dropout']}, flow shift {cfg0['shift']}, EMA {cfg0['ema']} "
+              f"(the exported weights), self-attention quantized, VAE and text encoder frozen. "
+              "Each run is `attnqat finetune train` with:", ""]
+    for k, (r, sd, _) in run_dirs.items():
+        lines.append(f"- {RUNS[r][2]}{'' if k == r else f' (seed {sd})'}: "
+                     f"`attnqat finetune train {shlex.join(train_args(args, r, sd))}`")
+    return lines, cfg0
+
+
+def _quality_section(ev: dict) -> list[str]:
+    """Per configuration: attribute rates, all-correct rate, quality score, PSNR/SSIM."""
+    lines = ["", "## Quality", "",
+             "Object-level rates for colour, shape and motion (one- and two-object prompts); clip-level "
+             "rate of clips with everything right, pooled over training seeds; 95 % Wilson intervals in "
+             "brackets (of the pooled clips: with several seeds the spread across seeds is the honest "
+             "width, shown beside it); the scorer's mean quality score; PSNR and SSIM against the base "
+             "model's BF16 clip of the same prompt and seed, and PSNR against the same weights' BF16 clip.",
+             "", "| configuration | colour | shape | motion | all correct | across seeds | quality | "
+             "PSNR vs base BF16 | SSIM | PSNR vs own BF16 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for c, recs in ev.items():
         objs = [o for r in recs for clip in r["clips"] for o in clip["objects"]]
         allc = sum(clip["all_correct"] for r in recs for clip in r["clips"])
@@ -810,14 +804,19 @@ def stage_report(args, runs: list[str], command: str) -> int:
                                                         for a in ATTRS)
                      + f" | {_rate(allc, nclips)} | {across} | "
                      + ("–" if np.isnan(qual) else f"{qual:.3f}") + f" | {psnr} | {ssim} | {psnr_own} |")
-    lines += ["", "## Paired comparisons", "",
-              "All-correct rate of A minus B on the same prompts and seeds (a configuration of several "
-              "training seeds: the per-prompt mean over them); 95 % paired-bootstrap interval (10,000 "
-              "resamples of the prompts); two-sided p: exact McNemar test on the clips only one of the two "
-              "gets right (one seed each), or its sign-flip permutation form on seed means. Beside it, "
-              "each training seed's own difference: the spread across seeds.", "",
-              "| A | B | A − B (points) | 95 % interval | A ahead | B ahead | p | across seeds |",
-              "|---|---|---|---|---|---|---|---|"]
+    return lines
+
+
+def _paired_section(ev: dict) -> tuple[list[str], dict, dict]:
+    """The :data:`PAIRS` both of whose configurations were evaluated: lines, paired results, spreads."""
+    lines = ["", "## Paired comparisons", "",
+             "All-correct rate of A minus B on the same prompts and seeds (a configuration of several "
+             "training seeds: the per-prompt mean over them); 95 % paired-bootstrap interval (10,000 "
+             "resamples of the prompts); two-sided p: exact McNemar test on the clips only one of the two "
+             "gets right (one seed each), or its sign-flip permutation form on seed means. Beside it, "
+             "each training seed's own difference: the spread across seeds.", "",
+             "| A | B | A − B (points) | 95 % interval | A ahead | B ahead | p | across seeds |",
+             "|---|---|---|---|---|---|---|---|"]
     verdicts, spreads = {}, {}
     for a, b in PAIRS:
         if a in ev and b in ev:
@@ -832,6 +831,11 @@ def stage_report(args, runs: list[str], command: str) -> int:
             lines.append(f"| {_label(a, ra)} | {_label(b, rb)} | {100 * pr['diff']:+.1f} | "
                          f"[{100 * pr['lo']:+.1f}, {100 * pr['hi']:+.1f}] | {pr['only_a']} | "
                          f"{pr['only_b']} | {_p(pr['p'])} | {_spread(spreads[(a, b)])} |")
+    return lines, verdicts, spreads
+
+
+def _costs_section(ev: dict) -> tuple[list[str], dict]:
+    """The :data:`COSTS` (a weight set's 4-bit cost against another's) that can be computed."""
     costs = {}
     for a, b in COSTS:
         cfgs = [f"{a}-nvfp4", f"{a}-bf16", f"{b}-nvfp4", f"{b}-bf16"]
@@ -843,65 +847,84 @@ def stage_report(args, runs: list[str], command: str) -> int:
             costs[(a, b)] = cost_difference(*[outcomes(x) for x in (a4, a16, b4, b16)])
             costs[(a, b)]["seed_costs"] = {"a": seed_spread(a4, a16), "b": seed_spread(b4, b16)}
             costs[(a, b)]["seeds"] = {"a": [r.get("seed") for r in a4], "b": [r.get("seed") for r in b4]}
-    if costs:
-        lines += ["", "## Robustness to 4-bit attention", "",
-                  "A weight set's 4-bit cost: its all-correct rate with NVFP4 attention minus with BF16 "
-                  "attention. The difference of two costs is paired over prompts (the four clips of a "
-                  "prompt resampled together, 10,000 times); positive: the first loses less. Beside each "
-                  "cost, its spread across training seeds.", "",
-                  "| weights A | weights B | cost of A (points) | cost of B | A − B | 95 % interval | p | "
-                  "A's cost across seeds | B's |", "|---|---|---|---|---|---|---|---|---|"]
-        for (a, b), c in costs.items():
-            lines.append(f"| {WEIGHTS[a]} | {WEIGHTS[b]} | {100 * c['cost_a']:+.1f} | {100 * c['cost_b']:+.1f} | "
-                         f"{100 * c['diff']:+.1f} | [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | {_p(c['p'])} | "
-                         f"{_spread(c['seed_costs']['a'])} | {_spread(c['seed_costs']['b'])} |")
+    if not costs:
+        return [], costs
+    lines = ["", "## Robustness to 4-bit attention", "",
+             "A weight set's 4-bit cost: its all-correct rate with NVFP4 attention minus with BF16 "
+             "attention. The difference of two costs is paired over prompts (the four clips of a "
+             "prompt resampled together, 10,000 times); positive: the first loses less. Beside each "
+             "cost, its spread across training seeds.", "",
+             "| weights A | weights B | cost of A (points) | cost of B | A − B | 95 % interval | p | "
+             "A's cost across seeds | B's |", "|---|---|---|---|---|---|---|---|---|"]
+    for (a, b), c in costs.items():
+        lines.append(f"| {WEIGHTS[a]} | {WEIGHTS[b]} | {100 * c['cost_a']:+.1f} | {100 * c['cost_b']:+.1f} | "
+                     f"{100 * c['diff']:+.1f} | [{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}] | {_p(c['p'])} | "
+                     f"{_spread(c['seed_costs']['a'])} | {_spread(c['seed_costs']['b'])} |")
+    return lines, costs
+
+
+def _won_back_section(ev: dict) -> tuple[list[str], dict]:
+    """The share of the base's NVFP4 quality-score loss each configuration wins back."""
     shares = {}
     qb, qb16 = outcomes(ev["base-nvfp4"], "quality") if "base-nvfp4" in ev else None, outcomes(ev["base-bf16"], "quality")
     if qb is not None and qb16 is not None:
         for c in ("qat-nvfp4", "qad-nvfp4", "control-nvfp4", "base-sage3"):
             if c in ev and (q := outcomes(ev[c], "quality")) is not None:
                 shares[c] = won_back(q, qb, qb16)
-    if shares:
-        lines += ["", "## Quality score: NVFP4 loss won back", "",
-                  "The scorer's quality score (blur, noise, stray pixels, flicker: what the all-correct rate "
-                  "cannot see) averaged over prompts. The base loses "
-                  f"{next(iter(shares.values()))['loss']:.3f} of it to NVFP4 attention; the share of that loss "
-                  "a configuration wins back, with its 95 % paired-bootstrap interval and the one-sided "
-                  "bootstrap p of a share ≤ ½.", "",
-                  "| configuration | share won back | 95 % interval | p (share ≤ ½) |", "|---|---|---|---|"]
-        for c, w in shares.items():
-            lines.append(f"| {_label(c, ev[c])} | {100 * w['share']:.0f} % | [{100 * w['lo']:.0f}, "
-                         f"{100 * w['hi']:.0f}] % | {_p(w['p_at_most_half'])} |")
-    probe = json.loads((args.work / "probe.json").read_text()) if (args.work / "probe.json").is_file() else None
-    if probe:
-        ps = probe["settings"]
-        names = {"base": "base", **{r: RUNS[r][2] for r in RUNS},
-                 **{k: f"{RUNS[r][2]} (seed {sd})" for r, sd, k in units(args, list(RUNS)) if k != r}}
-        lines += ["", "## 4-bit attention inside the model", "",
-                  f"Each self-attention layer's output with NVFP4 attention against BF16 attention on the "
-                  f"same queries, keys and values (relative error ‖Δ‖/‖O‖, PyTorch reference), captured "
-                  f"while denoising the first {next(iter(probe['weights'].values()))['prompts']} held-out "
-                  f"prompts ({ps['width']} × {ps['height']}, {ps['frames']} frames) at steps "
-                  f"{', '.join(str(s) for s in probe['capture_steps'])} of {ps['steps']}: how hard each "
-                  "weight set's attention inputs are to quantize (`attnqat repro --stages probe`).", "",
-                  "| weights | mean over layers | first layer | last layer | worst layer | first / last step |",
-                  "|---|---|---|---|---|---|"]
-        for w, r in probe["weights"].items():
-            st = list(r["by_step"].values())
-            lines.append(f"| {names.get(w, w)} | {r['mean']:.4f} | {r['layers'][0]:.4f} | {r['layers'][-1]:.4f} | "
-                         f"{max(r['layers']):.4f} (layer {int(np.argmax(r['layers']))}) | "
-                         f"{st[0]:.4f} / {st[-1]:.4f} |")
-    endpoints = protocol_endpoints(ev, verdicts, costs, shares)
+    if not shares:
+        return [], shares
+    lines = ["", "## Quality score: NVFP4 loss won back", "",
+             "The scorer's quality score (blur, noise, stray pixels, flicker: what the all-correct rate "
+             "cannot see) averaged over prompts. The base loses "
+             f"{next(iter(shares.values()))['loss']:.3f} of it to NVFP4 attention; the share of that loss "
+             "a configuration wins back, with its 95 % paired-bootstrap interval and the one-sided "
+             "bootstrap p of a share ≤ ½.", "",
+             "| configuration | share won back | 95 % interval | p (share ≤ ½) |", "|---|---|---|---|"]
+    for c, w in shares.items():
+        lines.append(f"| {_label(c, ev[c])} | {100 * w['share']:.0f} % | [{100 * w['lo']:.0f}, "
+                     f"{100 * w['hi']:.0f}] % | {_p(w['p_at_most_half'])} |")
+    return lines, shares
+
+
+def _probe_section(args) -> list[str]:
+    """The per-layer NVFP4 error probe's table (``WORK/probe.json``), if the probe stage ran."""
+    if not (args.work / "probe.json").is_file():
+        return []
+    probe = json.loads((args.work / "probe.json").read_text())
+    if not probe:
+        return []
+    ps = probe["settings"]
+    names = {"base": "base", **{r: RUNS[r][2] for r in RUNS},
+             **{k: f"{RUNS[r][2]} (seed {sd})" for r, sd, k in units(args, list(RUNS)) if k != r}}
+    lines = ["", "## 4-bit attention inside the model", "",
+             f"Each self-attention layer's output with NVFP4 attention against BF16 attention on the "
+             f"same queries, keys and values (relative error ‖Δ‖/‖O‖, PyTorch reference), captured "
+             f"while denoising the first {next(iter(probe['weights'].values()))['prompts']} held-out "
+             f"prompts ({ps['width']} × {ps['height']}, {ps['frames']} frames) at steps "
+             f"{', '.join(str(s) for s in probe['capture_steps'])} of {ps['steps']}: how hard each "
+             "weight set's attention inputs are to quantize (`attnqat repro --stages probe`).", "",
+             "| weights | mean over layers | first layer | last layer | worst layer | first / last step |",
+             "|---|---|---|---|---|---|"]
+    for w, r in probe["weights"].items():
+        st = list(r["by_step"].values())
+        lines.append(f"| {names.get(w, w)} | {r['mean']:.4f} | {r['layers'][0]:.4f} | {r['layers'][-1]:.4f} | "
+                     f"{max(r['layers']):.4f} (layer {int(np.argmax(r['layers']))}) | "
+                     f"{st[0]:.4f} / {st[-1]:.4f} |")
+    return lines
+
+
+def _endpoints_section(args, ev: dict, endpoints: dict, role: str) -> list[str]:
+    """The protocol's primary and Holm-adjusted secondary endpoints, per arm."""
     commits = sorted({r["protocol_commit"] for recs in ev.values() for r in recs if r.get("protocol_commit")})
     status = (f"confirmatory: every record was made under the protocol of commit {', '.join(commits)}"
               if role.startswith("confirmatory") and commits else
               "on development prompts these are exploratory, whatever they show")
-    lines += ["", "## The protocol's endpoints", "",
-              f"As {_protocol_link(args.doc)} names them ({status}). Primary: Attn-QAT in NVFP4 "
-              "against the base in BF16, 90 % paired interval inside ±3 points. Secondary family, Holm-adjusted: "
-              "H2 above naive NVFP4, H3 at least half of the quality score's NVFP4 loss won back, H4 against "
-              "SageAttention3, H5 a smaller 4-bit cost than the BF16 control's (for the distillation run: "
-              "than the base's, protocol §9).", ""]
+    lines = ["", "## The protocol's endpoints", "",
+             f"As {_protocol_link(args.doc)} names them ({status}). Primary: Attn-QAT in NVFP4 "
+             "against the base in BF16, 90 % paired interval inside ±3 points. Secondary family, Holm-adjusted: "
+             "H2 above naive NVFP4, H3 at least half of the quality score's NVFP4 loss won back, H4 against "
+             "SageAttention3, H5 a smaller 4-bit cost than the BF16 control's (for the distillation run: "
+             "than the base's, protocol §9).", ""]
     for arm, e in endpoints.items():
         pr = e.get("primary")
         if pr is not None:
@@ -911,6 +934,11 @@ def stage_report(args, runs: list[str], command: str) -> int:
         for h, v in e.get("secondary", {}).items():
             lines.append(f"- {WEIGHTS[arm]}, {h}: {v['what']}; p {_p(v['p'], '= ')}, Holm-adjusted "
                          f"{_p(v['p_holm'], '= ')}: {'shown' if v['shown'] else 'not shown'}.")
+    return lines
+
+
+def _target_section(endpoints: dict, verdicts: dict, costs: dict) -> list[str]:
+    """Each arm against the protocol's target, and Attn-QAT's headline comparisons."""
     target = []
     for arm, e in endpoints.items():
         pr, sec = e.get("primary"), e.get("secondary", {})
@@ -942,31 +970,61 @@ def stage_report(args, runs: list[str], command: str) -> int:
                       f"attention buys in robustness): {100 * c['cost_a']:+.1f} against "
                       f"{100 * c['cost_b']:+.1f} points, difference {100 * c['diff']:+.1f} "
                       f"[{100 * c['lo']:+.1f}, {100 * c['hi']:+.1f}].")
-    if target:
-        lines += ["", "## Against the target", "", *target]
+    return ["", "## Against the target", "", *target] if target else []
+
+
+def _training_section(args, run_dirs: dict, cfg0: dict, figs: Path) -> list[str]:
+    """The runs' curves (PNG beside the report) and their stability table."""
+    curves = figs / "repro_curves.png"
+    labels = {k: RUNS[r][2] + ("" if k == r else f" (seed {sd})") for k, (r, sd, _) in run_dirs.items()}
+    plot_runs([d for _, _, d in run_dirs.values()], curves, labels=list(labels.values()), smooth=25,
+              title="fine-tuning runs of the tiny model")
+    lines = ["", "## Training", "", f"![loss and gradient norm of every run]({_rel(curves, args.doc)})", "",
+             "| run | steps | loss, first 10 % | loss, last 10 % | median gradient norm | max | "
+             "steps clipped | non-finite |", "|---|---|---|---|---|---|---|---|"]
+    for k, (r, sd, d) in run_dirs.items():
+        st = _stability(read_log(d), cfg0["grad_clip"])
+        lines.append(f"| {labels[k]} | {st['steps']} | {st['loss_first']:.4f} | {st['loss_last']:.4f} | "
+                     f"{st['grad_median']:.3f} | {st['grad_max']:.3f} | {st['clipped']} | "
+                     f"{'yes' if st['nonfinite'] else 'no'} |")
+    if "dropin" in run_dirs and "attnqat" in run_dirs:
+        dropin = figs / "repro_dropin.png"
+        plot_runs([run_dirs["attnqat"][2], run_dirs["dropin"][2]], dropin,
+                  labels=[RUNS["attnqat"][2], RUNS["dropin"][2]], smooth=25,
+                  title="Attn-QAT against drop-in FP4 fine-tuning")
+        lines += ["", f"![Attn-QAT against drop-in]({_rel(dropin, args.doc)})"]
+    return lines
+
+
+def stage_report(args, runs: list[str], command: str) -> int:
+    """Write ``args.doc`` (Markdown, its curves beside it or in ``args.figures``) and
+    ``WORK/report.json`` from the evaluation records and the runs' logs."""
+    ev = load_evals(args.work)
+    if "base-bf16" not in ev:
+        log("nothing to report: run the eval stage first")
+        return 2
+    figs = args.figures or args.doc.parent
+    figs.mkdir(parents=True, exist_ok=True)
+    run_dirs = {k: (r, s, args.work / "runs" / k) for r, s, k in units(args, runs)
+                if record_file(args.work / "runs" / k / "log.jsonl")}
+    e0 = ev["base-bf16"][0]
+    first, last = e0["first_prompt"], e0["first_prompt"] + len(e0["clips"]) - 1
+    role = ("confirmatory (evaluated once, after docs/repro/protocol.md)" if last >= 900 else
+            "development — exploratory: these prompts may have chosen settings")
+    lines, cfg0 = _report_header(args, ev, run_dirs, command, role)
+    lines += _quality_section(ev)
+    paired_lines, verdicts, spreads = _paired_section(ev)
+    costs_lines, costs = _costs_section(ev)
+    won_lines, shares = _won_back_section(ev)
+    lines += paired_lines + costs_lines + won_lines + _probe_section(args)
+    endpoints = protocol_endpoints(ev, verdicts, costs, shares)
+    lines += _endpoints_section(args, ev, endpoints, role) + _target_section(endpoints, verdicts, costs)
     if run_dirs:
-        curves = figs / "repro_curves.png"
-        labels = {k: RUNS[r][2] + ("" if k == r else f" (seed {sd})") for k, (r, sd, _) in run_dirs.items()}
-        plot_runs([d for _, _, d in run_dirs.values()], curves, labels=list(labels.values()), smooth=25,
-                  title="fine-tuning runs of the tiny model")
-        lines += ["", "## Training", "", f"![loss and gradient norm of every run]({_rel(curves, args.doc)})", "",
-                  "| run | steps | loss, first 10 % | loss, last 10 % | median gradient norm | max | "
-                  "steps clipped | non-finite |", "|---|---|---|---|---|---|---|---|"]
-        for k, (r, sd, d) in run_dirs.items():
-            st = _stability(read_log(d), cfg0["grad_clip"])
-            lines.append(f"| {labels[k]} | {st['steps']} | {st['loss_first']:.4f} | {st['loss_last']:.4f} | "
-                         f"{st['grad_median']:.3f} | {st['grad_max']:.3f} | {st['clipped']} | "
-                         f"{'yes' if st['nonfinite'] else 'no'} |")
-        if "dropin" in run_dirs and "attnqat" in run_dirs:
-            dropin = figs / "repro_dropin.png"
-            plot_runs([run_dirs["attnqat"][2], run_dirs["dropin"][2]], dropin,
-                      labels=[RUNS["attnqat"][2], RUNS["dropin"][2]], smooth=25,
-                      title="Attn-QAT against drop-in FP4 fine-tuning")
-            lines += ["", f"![Attn-QAT against drop-in]({_rel(dropin, args.doc)})"]
+        lines += _training_section(args, run_dirs, cfg0, figs)
     args.doc.parent.mkdir(parents=True, exist_ok=True)
     args.doc.write_text("\n".join(lines) + "\n")
     (args.work / "report.json").write_text(json.dumps(_jsonable(
-        {"date": now(), "command": command, "prompts": [first, first + n - 1], "prompt_set": role,
+        {"date": now(), "command": command, "prompts": [first, last], "prompt_set": role,
          "pairs": {f"{a} vs {b}": v for (a, b), v in verdicts.items()},
          "seed_spreads": {f"{a} vs {b}": v for (a, b), v in spreads.items() if v is not None},
          "cost_differences": {f"{a} vs {b}": v for (a, b), v in costs.items()},
