@@ -764,16 +764,123 @@ class _Stop:
             signal.signal(s, h)
 
 
+def _open_data(cfg: TrainConfig, *, resuming: bool):
+    """The run's data source, checked against the run before any model loads: a resumed run's data
+    must be the data it began with (its fingerprint), and a latent cache must hold the run's clip size."""
+    source = open_source(cfg.data, frames=cfg.frames, height=cfg.height, width=cfg.width,
+                         stride=cfg.stride, seed=cfg.seed, two_objects=cfg.two_objects, fps=cfg.fps)
+    fingerprint = data_fingerprint(source)
+    if cfg.data_fingerprint and cfg.data_fingerprint != fingerprint and resuming:
+        raise DataError(f"the data {cfg.data} changed since the run began (fingerprint "
+                        f"{cfg.data_fingerprint[:12]} then, {fingerprint[:12]} now: clips added, removed "
+                        "or re-encoded): the data order would not be the run's; start a new run (new --out)")
+    cfg.data_fingerprint = fingerprint
+    if isinstance(source, LatentCache):
+        diff = [f"{k} {v} (cache) vs {getattr(cfg, k)} (run)"
+                for k, v in cache_sizes(source.meta).items() if v != getattr(cfg, k)]
+        if diff:
+            raise DataError(f"the cache {cfg.data} does not fit this run: {'; '.join(diff)}")
+    return source
+
+
+class _TextInputs:
+    """The frozen text side of a run: the model's components (``parts``), the encoder of raw clips
+    and captions (None for a latent cache without validation prompts, or once a cache's run has
+    encoded what it needs), the empty caption's embedding (caption dropout), and the validation
+    prompts with theirs and the negative prompt's (the one `generate` uses: Wan's own)."""
+
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, source) -> None:
+        from attnqat.wan import model_info
+
+        from .encode import Encoder, load_components
+
+        cached = isinstance(source, LatentCache)
+        self.prompts = val_prompt_list(cfg.val_prompts) if cfg.val_every else []
+        need = not cached or bool(self.prompts)
+        self.parts = load_components(cfg.model, text=need, vae=need)
+        encoder = Encoder(self.parts, ctx.device, cfg.max_sequence_length) if need else None
+        if cached:
+            self.empty = pad_text([source.empty_text()], cfg.max_sequence_length)[0]
+        else:
+            self.empty = encoder.text([""])[0].cpu()
+        self.prompt_text = encoder.text(self.prompts).cpu() if self.prompts else None
+        negative = model_info(cfg.model).defaults.get("negative_prompt", "")
+        self.negative_text = encoder.text([negative])[0].cpu() if self.prompts and negative else self.empty
+        if cached and encoder is not None:   # the text encoder and VAE leave the GPU
+            encoder.text_encoder.to("cpu")
+            encoder.vae.to("cpu")
+            encoder = None
+            self.parts.text_encoder = None
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+        self.encoder = encoder
+
+
+def _start_log(cfg: TrainConfig, ctx: DistContext, run_dir: Path, tcfg: dict, step: int, resume_from,
+               say) -> RunLog:
+    """The main rank's run folder and log at ``step``: the configs written, on a resume the later
+    checkpoints set aside and the log's later records dropped, and a start or resume event."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    (run_dir / "transformer_config.json").write_text(json.dumps(tcfg, indent=1) + "\n")
+    abandoned = [p.name for p in ckpt.set_aside_after(run_dir, step)] if resume_from else []
+    if abandoned:
+        say(f"resumed from an older checkpoint: the later {', '.join(abandoned)} moved to "
+            f"{run_dir / ckpt.ABANDONED}")
+    runlog = RunLog(run_dir, tensorboard=cfg.tensorboard, purge_step=step + 1 if resume_from else None)
+    dropped = runlog.truncate_after(step)
+    runlog.write(step, "event", event="resume" if resume_from else "start", date=now(),
+                 world=ctx.world, device=device_name(ctx.device), dropped_records=dropped,
+                 checkpoint=str(resume_from) if resume_from else None,
+                 changed=getattr(cfg, "_changed", {}) or None,
+                 **({"abandoned_checkpoints": abandoned} if abandoned else {}))
+    return runlog
+
+
+def _describe(cfg: TrainConfig, ctx: DistContext, transformer, trainer: Trainer, source, gb: int,
+              step: int) -> str:
+    """The line a run starts with: what trains, with which attention, where, on what data."""
+    return (f"training {sum(p.numel() for p in transformer.parameters()) / 1e6:.1f} M parameters "
+            + (f"({trainer.parameters / 1e6:.2f} M of them a LoRA adapter of rank {cfg.lora_rank}"
+               + (f"; {trainer.base_bf16 / 1e6:.1f} M frozen linear weights kept in bfloat16"
+                  if trainer.base_bf16 else "") + ") " if cfg.lora_rank else "")
+            + f"({cfg.attention} attention, scope {cfg.scope}"
+            + (f", ablation {cfg.ablation}" if cfg.ablation else "") + f") on {ctx.world} × "
+            f"{device_name(ctx.device)}, {trainer.precision}; data {source.description}; global batch "
+            f"{gb}; steps {step}..{cfg.steps}; " + mesh.describe(ctx, cfg.batch_size, cfg.grad_accum))
+
+
+def _non_finite(exc: NonFiniteError, trainer: Trainer, run_dir: Path, step: int, runlog, say) -> int:
+    """A non-finite loss or gradient before step ``step + 1``'s update: the update is dropped, the
+    last checkpoint kept as it was, the event logged; returns :data:`EXIT_NONFINITE`."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    kept = ckpt.complete_checkpoints(run_dir)
+    msg = (f"{exc} at step {step + 1}: the run stops; the weights were not updated and "
+           f"the last checkpoint ({kept[-1][1].name if kept else 'none yet'}) is kept as it was")
+    say(f"attnqat finetune train: {msg}")
+    if runlog is not None:
+        runlog.write(step + 1, "event", event="non-finite", message=msg, date=now())
+    return EXIT_NONFINITE
+
+
+def _stopped(cfg: TrainConfig, signum: int | None, step: int, run_dir: Path, say) -> int:
+    """A run stopped after ``step`` (its checkpoint saved) by the signal ``signum`` or, with
+    ``signum`` None, by ``--time-limit``; returns the exit status."""
+    if signum is None:
+        say(f"time limit of {cfg.time_limit} min reached after step {step}; checkpoint "
+            f"saved; continue with --resume --out {run_dir}")
+        return 0
+    say(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint "
+        f"saved; continue with --resume --out {run_dir}")
+    return 128 + signum
+
+
 def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) -> int:
     """Run (or continue) the training of ``cfg`` on this rank; returns the exit status: 0 done (or
     stopped at ``--time-limit``), 128 + signal number when stopped by SIGTERM/SIGINT (after saving
     a checkpoint), :data:`EXIT_NONFINITE` for a non-finite loss or gradient (no checkpoint
     written for that step)."""
     from tqdm.auto import tqdm
-
-    from attnqat.wan import model_info
-
-    from .encode import Encoder, load_components
 
     say = log if ctx.is_main else (lambda *_a, **_k: None)
     run_dir = Path(cfg.out)
@@ -785,44 +892,15 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                          "or choose a new --out")
     if ctx.is_main:
         ckpt.check_writable(run_dir)
-    source = open_source(cfg.data, frames=cfg.frames, height=cfg.height, width=cfg.width,
-                         stride=cfg.stride, seed=cfg.seed, two_objects=cfg.two_objects, fps=cfg.fps)
-    fingerprint = data_fingerprint(source)
-    if cfg.data_fingerprint and cfg.data_fingerprint != fingerprint and resume_from is not None:
-        raise DataError(f"the data {cfg.data} changed since the run began (fingerprint "
-                        f"{cfg.data_fingerprint[:12]} then, {fingerprint[:12]} now: clips added, removed "
-                        "or re-encoded): the data order would not be the run's; start a new run (new --out)")
-    cfg.data_fingerprint = fingerprint
-    cached = isinstance(source, LatentCache)
-    if cached:
-        diff = [f"{k} {v} (cache) vs {getattr(cfg, k)} (run)"
-                for k, v in cache_sizes(source.meta).items() if v != getattr(cfg, k)]
-        if diff:
-            raise DataError(f"the cache {cfg.data} does not fit this run: {'; '.join(diff)}")
-    prompts = val_prompt_list(cfg.val_prompts) if cfg.val_every else []
-    parts = load_components(cfg.model, text=not cached or bool(prompts), vae=not cached or bool(prompts))
-    encoder = Encoder(parts, ctx.device, cfg.max_sequence_length) if (not cached or prompts) else None
-    if cached:
-        empty = pad_text([source.empty_text()], cfg.max_sequence_length)[0]
-    else:
-        empty = encoder.text([""])[0].cpu()
-    prompt_text = encoder.text(prompts).cpu() if prompts else None
-    # validation clips are denoised against the negative prompt `generate` uses (Wan's own)
-    negative = model_info(cfg.model).defaults.get("negative_prompt", "")
-    negative_text = encoder.text([negative])[0].cpu() if prompts and negative else empty
-    if cached and encoder is not None:   # the text encoder and VAE leave the GPU
-        encoder.text_encoder.to("cpu")
-        encoder.vae.to("cpu")
-        encoder = None
-        parts.text_encoder = None
-        if ctx.device.type == "cuda":
-            torch.cuda.empty_cache()
+    source = _open_data(cfg, resuming=resume_from is not None)
+    frozen = _TextInputs(cfg, ctx, source)
+    parts, encoder, prompts = frozen.parts, frozen.encoder, frozen.prompts
 
     if transformer is None:
         transformer = load_transformer(cfg)
     tcfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dict(transformer.config).items()
             if not k.startswith("_")}
-    trainer = Trainer(cfg, transformer, ctx, empty)
+    trainer = Trainer(cfg, transformer, ctx, frozen.empty)
     gb = cfg.global_batch(ctx.data_world)
     step, samples = 0, 0
     if resume_from is not None:
@@ -834,23 +912,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
         say(f"resumed from {resume_from} at step {step} ({samples} samples read)"
             + (f"; it was written by {state['world']} process(es), this run has {ctx.world}"
                if state.get("world") != ctx.world else ""))
-    runlog = None
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
-        (run_dir / "transformer_config.json").write_text(json.dumps(tcfg, indent=1) + "\n")
-        abandoned = [p.name for p in ckpt.set_aside_after(run_dir, step)] if resume_from else []
-        if abandoned:
-            say(f"resumed from an older checkpoint: the later {', '.join(abandoned)} moved to "
-                f"{run_dir / ckpt.ABANDONED}")
-        runlog = RunLog(run_dir, tensorboard=cfg.tensorboard,
-                        purge_step=step + 1 if resume_from else None)
-        dropped = runlog.truncate_after(step)
-        runlog.write(step, "event", event="resume" if resume_from else "start", date=now(),
-                     world=ctx.world, device=device_name(ctx.device), dropped_records=dropped,
-                     checkpoint=str(resume_from) if resume_from else None,
-                     changed=getattr(cfg, "_changed", {}) or None,
-                     **({"abandoned_checkpoints": abandoned} if abandoned else {}))
+    runlog = _start_log(cfg, ctx, run_dir, tcfg, step, resume_from, say) if ctx.is_main else None
     order = DataOrder(source.size, cfg.seed)
     batches = None
     validator = None
@@ -862,14 +924,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                     pad_text(batch["text"], cfg.max_sequence_length).to(ctx.device, torch.float32))
         return encoder.latents(batch["video"]), encoder.text(batch["captions"])
 
-    say(f"training {sum(p.numel() for p in transformer.parameters()) / 1e6:.1f} M parameters "
-        + (f"({trainer.parameters / 1e6:.2f} M of them a LoRA adapter of rank {cfg.lora_rank}"
-           + (f"; {trainer.base_bf16 / 1e6:.1f} M frozen linear weights kept in bfloat16"
-              if trainer.base_bf16 else "") + ") " if cfg.lora_rank else "")
-        + f"({cfg.attention} attention, scope {cfg.scope}"
-        + (f", ablation {cfg.ablation}" if cfg.ablation else "") + f") on {ctx.world} × "
-        f"{device_name(ctx.device)}, {trainer.precision}; data {source.description}; global batch "
-        f"{gb}; steps {step}..{cfg.steps}; " + mesh.describe(ctx, cfg.batch_size, cfg.grad_accum))
+    say(_describe(cfg, ctx, transformer, trainer, source, gb, step))
     stop = _Stop()
     t_start = time.perf_counter()
     bar = tqdm(total=cfg.steps, initial=step, desc="train", unit="step", file=sys.stderr,
@@ -905,15 +960,7 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                     raise NonFiniteError(f"non-finite loss ({loss})")
                 info = trainer.optimizer_step(step)
             except NonFiniteError as exc:
-                trainer.optimizer.zero_grad(set_to_none=True)
-                kept = ckpt.complete_checkpoints(run_dir)
-                msg = (f"{exc} at step {step + 1}: the run stops; the weights were not updated and "
-                       f"the last checkpoint ({kept[-1][1].name if kept else 'none yet'}) is kept "
-                       "as it was")
-                say(f"attnqat finetune train: {msg}")
-                if runlog is not None:
-                    runlog.write(step + 1, "event", event="non-finite", message=msg, date=now())
-                status = EXIT_NONFINITE
+                status = _non_finite(exc, trainer, run_dir, step, runlog, say)
                 break
             step += 1
             samples += gb
@@ -931,7 +978,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
             bar.update(1)
             if cfg.val_every and (step % cfg.val_every == 0 or step == cfg.steps) and prompts:
                 if validator is None:
-                    validator = Validator(cfg, parts, prompts, prompt_text, negative_text, lat_shape, ctx)
+                    validator = Validator(cfg, parts, prompts, frozen.prompt_text, frozen.negative_text,
+                                          lat_shape, ctx)
                 vres = validator.run(trainer, step)
                 if runlog is not None:
                     runlog.write(step, "val", **vres)
@@ -945,14 +993,8 @@ def train(cfg: TrainConfig, ctx: DistContext, *, transformer=None, log=print) ->
                            "transformer_config": tcfg}, ctx, keep=cfg.keep)
                 last_saved = step
             if stop_now:
-                if flags[1] > 0:
-                    signum = int(stop.signum or signal.SIGTERM)
-                    say(f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint "
-                        f"saved; continue with --resume --out {run_dir}")
-                    status = 128 + signum
-                else:
-                    say(f"time limit of {cfg.time_limit} min reached after step {step}; checkpoint "
-                        f"saved; continue with --resume --out {run_dir}")
+                signum = int(stop.signum or signal.SIGTERM) if flags[1] > 0 else None   # a peer's: SIGTERM
+                status = _stopped(cfg, signum, step, run_dir, say)
                 break
     except BaseException as exc:
         status, error = exit_status(exc), one_line(exc)
