@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU runs issues 33 and 37 still need, as device calls. LANES lists what each GPU does, one
-# lane per GPU (space-separated), the jobs of a lane one after the other (joined by '+'); all within
-# DEADLINE seconds. Device time is counted per machine held, not per GPU, so a lane on every GPU
-# costs what one does. Jobs:
+# The GPU runs of issues 33 and 37 as device calls (made on 2026-11-28 with the three commands
+# below; records in docs/bench_sagebwd_h200.json, docs/bench_14b_h200.json and
+# docs/repro/dev-lora-sagebwd/). LANES lists what each GPU does, one lane per GPU (space-separated),
+# the jobs of a lane one after the other (joined by '+'); all within DEADLINE seconds. Device time
+# is counted per machine held, not per GPU, so a lane on every GPU costs what one does. Jobs:
 #
 #   sagebwd  tests/test_sagebwd_gpu.py, then kernels/sagebwd_bench.py --variants --pick --profile
 #            (the split's launches apart, dQ from stored dS, their best combinations; docs/benchmarks.md,
