@@ -222,17 +222,29 @@ def _fit(t: np.ndarray, v: np.ndarray) -> tuple[float, np.ndarray]:
     return float(coef[0]), v - a @ coef
 
 
-def analyze_clip(frames: np.ndarray) -> ClipAnalysis:
-    """Find the background and the object tracks of a clip and measure its consistency and
-    cleanliness. ``frames``: ``uint8 (T, H, W, 3)``."""
-    check_frames(frames)
-    x = np.ascontiguousarray(_downscale(frames).transpose(3, 0, 1, 2))   # (3, T, H, W) float32
-    _, t_n, h, w = x.shape
-    short = min(h, w)
-    px_scale = 128.0 / short
+@dataclass
+class _Blobs:
+    """The kept foreground components of a clip (one per frame and object at most :data:`MAX_BLOBS`
+    a frame), indexed by component label: where, how large, what colour and shape."""
+    ids: np.ndarray          # kept labels, ascending
+    frame_of: np.ndarray     # frame of each label
+    area: np.ndarray         # pixels of each label
+    cx: np.ndarray           # pixel centroid
+    cy: np.ndarray
+    rgb: np.ndarray          # interior colour (label, 3)
+    lab: np.ndarray          # the same in CIELAB
+    feat: dict               # label -> (3rd harmonic, 4th harmonic, fill)
+    soft_area: np.ndarray    # coverage-weighted area and centroid
+    cx_soft: np.ndarray
+    cy_soft: np.ndarray
+
+
+def _background(x: np.ndarray, short: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-frame background colour (the median of the smoothed border; (3, T)), the clip's, and
+    each pixel's colour distance from its frame's background (T, H, W)."""
+    _, t_n, _, _ = x.shape
     sigma = max(0.7, short / 128.0)
     smooth = ndimage.gaussian_filter(x, sigma=(0, 0, sigma, sigma), mode="nearest", truncate=3.0)
-
     border = np.concatenate([smooth[:, :, :2].reshape(3, t_n, -1), smooth[:, :, -2:].reshape(3, t_n, -1),
                              smooth[:, :, :, :2].reshape(3, t_n, -1),
                              smooth[:, :, :, -2:].reshape(3, t_n, -1)], axis=2)
@@ -240,9 +252,12 @@ def analyze_clip(frames: np.ndarray) -> ClipAnalysis:
     bg_rgb = np.median(frame_bg, axis=1)
     diff_c = smooth - frame_bg[:, :, None, None]
     dist = np.sqrt(diff_c[0] ** 2 + diff_c[1] ** 2 + diff_c[2] ** 2)  # (T, H, W)
-    del diff_c
-    fg = dist > FG_DISTANCE
+    return frame_bg, bg_rgb, dist
 
+
+def _blobs(x: np.ndarray, dist: np.ndarray, fg: np.ndarray) -> _Blobs:
+    """Label the foreground per frame and measure the components worth tracking."""
+    _, _, h, w = x.shape
     structure = np.zeros((3, 3, 3), dtype=bool)
     structure[1] = True
     labels, n_lab = ndimage.label(fg, structure=structure)
@@ -285,7 +300,6 @@ def analyze_clip(frames: np.ndarray) -> ClipAnalysis:
         s_core = np.bincount(lab_core, weights=v[core], minlength=size)
         s_all = np.bincount(lab_p, weights=v, minlength=size)
         rgb_all[:, c] = np.where(use_core, s_core / np.maximum(core_n, 1), s_all / cnt)
-    lab_all = rgb_to_lab(rgb_all)
     h3, h4, fill = _shape_features(kept_labels, ids, cx_all[ids], cy_all[ids], area[ids])
     # soft area and centroid: coverage from the distance to the background, over the component
     # grown by 2 px (steadier than pixel counts when edges are anti-aliased or blurred)
@@ -299,14 +313,18 @@ def analyze_clip(frames: np.ndarray) -> ClipAnalysis:
     cover = np.clip((dist.ravel()[gpix] - floor) / np.maximum(obj_d[g_lab] - floor, 1.0), 0.0, 1.0)
     soft_area = np.bincount(g_lab, weights=cover, minlength=size)
     soft_n = np.maximum(soft_area, 1e-6)
-    cx_soft = np.bincount(g_lab, weights=cover * (gpix % w + 0.5), minlength=size) / soft_n
-    cy_soft = np.bincount(g_lab, weights=cover * ((gpix // w) % h + 0.5), minlength=size) / soft_n
-    feat = {int(i): (h3[j], h4[j], fill[j]) for j, i in enumerate(ids)}
+    return _Blobs(
+        ids=ids, frame_of=frame_of, area=area, cx=cx_all, cy=cy_all, rgb=rgb_all, lab=rgb_to_lab(rgb_all),
+        feat={int(i): (h3[j], h4[j], fill[j]) for j, i in enumerate(ids)}, soft_area=soft_area,
+        cx_soft=np.bincount(g_lab, weights=cover * (gpix % w + 0.5), minlength=size) / soft_n,
+        cy_soft=np.bincount(g_lab, weights=cover * ((gpix // w) % h + 0.5), minlength=size) / soft_n)
 
-    # link components over frames into tracks (greedy, by position and colour)
+
+def _tracks(b: _Blobs, t_n: int, short: int) -> list[list[int]]:
+    """Link components over frames into tracks (greedy, by position and colour)."""
     by_frame: dict[int, list[int]] = {}
-    for lab in ids:
-        by_frame.setdefault(int(frame_of[lab]), []).append(int(lab))
+    for lab in b.ids:
+        by_frame.setdefault(int(b.frame_of[lab]), []).append(int(lab))
     tracks: list[list[int]] = []
     last: list[tuple[int, int]] = []       # (frame, label) of each track's last component
     gate = 0.2 * short
@@ -316,65 +334,82 @@ def analyze_clip(frames: np.ndarray) -> ClipAnalysis:
         for ti, (lf, ll) in enumerate(last):
             if f - lf > 4:
                 continue
-            for b in blobs:
-                d = math.hypot(cx_all[b] - cx_all[ll], cy_all[b] - cy_all[ll])
-                de = float(np.linalg.norm(lab_all[b] - lab_all[ll]))
+            for k in blobs:
+                d = math.hypot(b.cx[k] - b.cx[ll], b.cy[k] - b.cy[ll])
+                de = float(np.linalg.norm(b.lab[k] - b.lab[ll]))
                 if d <= gate * (f - lf) and de <= 45:
-                    pairs.append((d / short + de / 150, ti, b))
+                    pairs.append((d / short + de / 150, ti, k))
         pairs.sort()
         used_t, used_b = set(), set()
-        for _, ti, b in pairs:
-            if ti in used_t or b in used_b:
+        for _, ti, k in pairs:
+            if ti in used_t or k in used_b:
                 continue
             used_t.add(ti)
-            used_b.add(b)
-            tracks[ti].append(b)
-            last[ti] = (f, b)
-        for b in blobs:
-            if b not in used_b:
-                tracks.append([b])
-                last.append((f, b))
+            used_b.add(k)
+            tracks[ti].append(k)
+            last[ti] = (f, k)
+        for k in blobs:
+            if k not in used_b:
+                tracks.append([k])
+                last.append((f, k))
+    return tracks
 
+
+def _track_object(tr: list[int], b: _Blobs, t_n: int, h: int, w: int, px_scale: float) -> DetectedObject:
+    """One track as an object: its colour, shape and motion, and how steady it is."""
+    arr = np.array(tr)
+    fr = b.frame_of[arr].astype(np.float64)
+    med_lab = np.median(b.lab[arr], axis=0)
+    rgb = np.median(b.rgb[arr], axis=0)
+    d = np.linalg.norm(_OBJ_LAB - med_lab, axis=-1)
+    colour = _OBJ_NAMES[int(np.argmin(d))]
+    f3, f4, fl = (float(np.median([b.feat[int(k)][i] for k in tr])) for i in range(3))
+    shape = classify_shape(f3, f4, fl)
+    span = t_n - 1
+    slope_x, res_x = _fit(fr, b.cx_soft[arr])
+    slope_y, res_y = _fit(fr, b.cy_soft[arr])
+    log_size = 0.5 * np.log(np.maximum(b.soft_area[arr], 1.0))
+    slope_s, res_s = _fit(fr, log_size)
+    dx, dy, ls = slope_x * span / w, slope_y * span / h, slope_s * span
+    motion = classify_motion(dx, dy, ls)
+    size_jitter = float(np.std(res_s))
+    if len(arr) >= 4:
+        # RMS distance of the centroid from a smooth (quadratic) path
+        c = np.stack([b.cx_soft[arr], b.cy_soft[arr]], axis=1)
+        tt = (fr - fr.mean()) / max(1.0, span)
+        basis = np.vstack([np.ones_like(tt), tt, tt * tt]).T
+        coef, *_ = np.linalg.lstsq(basis, c, rcond=None)
+        path_jitter = float(np.sqrt(np.mean(np.sum((c - basis @ coef) ** 2, axis=1))) * px_scale)
+    else:
+        path_jitter = 0.0
+    return DetectedObject(
+        colour=colour, shape=shape, motion=motion, presence=len(tr) / t_n,
+        rgb=tuple(float(v) for v in rgb), displacement=(float(dx), float(dy)),
+        log_scale=float(ls), harmonics=(f3, f4), fill=fl, size_jitter=size_jitter,
+        path_jitter=path_jitter, size_stability=float(math.exp(-size_jitter / 0.05)),
+        path_smoothness=float(math.exp(-path_jitter / 1.0)),
+        frames=[int(v) for v in fr], centroids=[(float(a), float(c)) for a, c in
+                                                zip(b.cx_soft[arr], b.cy_soft[arr])],
+        areas=[float(v) for v in b.soft_area[arr]])
+
+
+def analyze_clip(frames: np.ndarray) -> ClipAnalysis:
+    """Find the background and the object tracks of a clip and measure its consistency and
+    cleanliness. ``frames``: ``uint8 (T, H, W, 3)``."""
+    check_frames(frames)
+    x = np.ascontiguousarray(_downscale(frames).transpose(3, 0, 1, 2))   # (3, T, H, W) float32
+    _, t_n, h, w = x.shape
+    short = min(h, w)
+    frame_bg, bg_rgb, dist = _background(x, short)
+    fg = dist > FG_DISTANCE
+    blobs = _blobs(x, dist, fg)
     objects: list[DetectedObject] = []
     object_pixels = 0.0
-    for tr in sorted(tracks, key=len, reverse=True):
+    for tr in sorted(_tracks(blobs, t_n, short), key=len, reverse=True):
         if len(tr) < max(3, MIN_PRESENCE * t_n):
             continue
-        arr = np.array(tr)
-        fr = frame_of[arr].astype(np.float64)
-        med_lab = np.median(lab_all[arr], axis=0)
-        rgb = np.median(rgb_all[arr], axis=0)
-        d = np.linalg.norm(_OBJ_LAB - med_lab, axis=-1)
-        colour = _OBJ_NAMES[int(np.argmin(d))]
-        f3, f4, fl = (float(np.median([feat[int(b)][i] for b in tr])) for i in range(3))
-        shape = classify_shape(f3, f4, fl)
-        span = t_n - 1
-        slope_x, res_x = _fit(fr, cx_soft[arr])
-        slope_y, res_y = _fit(fr, cy_soft[arr])
-        log_size = 0.5 * np.log(np.maximum(soft_area[arr], 1.0))
-        slope_s, res_s = _fit(fr, log_size)
-        dx, dy, ls = slope_x * span / w, slope_y * span / h, slope_s * span
-        motion = classify_motion(dx, dy, ls)
-        size_jitter = float(np.std(res_s))
-        if len(arr) >= 4:
-            # RMS distance of the centroid from a smooth (quadratic) path
-            c = np.stack([cx_soft[arr], cy_soft[arr]], axis=1)
-            tt = (fr - fr.mean()) / max(1.0, span)
-            basis = np.vstack([np.ones_like(tt), tt, tt * tt]).T
-            coef, *_ = np.linalg.lstsq(basis, c, rcond=None)
-            path_jitter = float(np.sqrt(np.mean(np.sum((c - basis @ coef) ** 2, axis=1))) * px_scale)
-        else:
-            path_jitter = 0.0
-        object_pixels += float(area[arr].sum())
-        objects.append(DetectedObject(
-            colour=colour, shape=shape, motion=motion, presence=len(tr) / t_n,
-            rgb=tuple(float(v) for v in rgb), displacement=(float(dx), float(dy)),
-            log_scale=float(ls), harmonics=(f3, f4), fill=fl, size_jitter=size_jitter,
-            path_jitter=path_jitter, size_stability=float(math.exp(-size_jitter / 0.05)),
-            path_smoothness=float(math.exp(-path_jitter / 1.0)),
-            frames=[int(v) for v in fr], centroids=[(float(a), float(b)) for a, b in
-                                                    zip(cx_soft[arr], cy_soft[arr])],
-            areas=[float(v) for v in soft_area[arr]]))
+        object_pixels += float(blobs.area[np.array(tr)].sum())
+        objects.append(_track_object(tr, blobs, t_n, h, w, 128.0 / short))
 
     # background statistics, away from anything foreground
     bg_mask = ~ndimage.maximum_filter(fg, footprint=np.ones((1, 7, 7), dtype=bool), mode="constant")
