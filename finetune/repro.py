@@ -868,7 +868,8 @@ def _won_back_section(ev: dict) -> tuple[list[str], dict]:
     shares = {}
     qb, qb16 = outcomes(ev["base-nvfp4"], "quality") if "base-nvfp4" in ev else None, outcomes(ev["base-bf16"], "quality")
     if qb is not None and qb16 is not None:
-        for c in ("qat-nvfp4", "qad-nvfp4", "control-nvfp4", "base-sage3"):
+        for c in ("qat-nvfp4", "qad-nvfp4", *(f"qad-lora{r}-nvfp4" for r in (8, 32, 128)),
+                  "control-nvfp4", "sbwd-nvfp4", "base-sage3"):
             if c in ev and (q := outcomes(ev[c], "quality")) is not None:
                 shares[c] = won_back(q, qb, qb16)
     if not shares:
