@@ -18,6 +18,7 @@ chosen.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 
@@ -33,10 +34,6 @@ def _inputs(seed=0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     B, H, S, D = SHAPE["B"], SHAPE["H"], SHAPE["S"], SHAPE["D"]
     return [torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4)]
-
-
-def time_pair(fn_fwd, fn_step, rep_ms):
-    return ([_bench(fn_fwd, rep_ms), _bench(fn_fwd, rep_ms)], [_bench(fn_step, rep_ms), _bench(fn_step, rep_ms)])
 
 
 #: a variant row counts for --pick only this close to the default's output (relative L2; the
@@ -71,7 +68,7 @@ def combinations(rows) -> list[dict]:
     out = [{"dkdv": {"split": True, **launch}, "dq": dq["config"]}]
     stored = _fastest(rows, lambda r: r["kernel"] == "dkdv+dq" and r["config"]["dkdv"].get("split"))
     if stored is not None and "dv" in launch:
-        cfg = json.loads(json.dumps(stored["config"]))
+        cfg = copy.deepcopy(stored["config"])
         cfg["dkdv"]["dv"] = launch["dv"]
         out.append(cfg)
     return [c for c in out if all(c != r.get("config") for r in rows)]

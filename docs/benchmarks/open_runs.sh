@@ -95,8 +95,7 @@ job() {
         pids+=($!)
       done
       wait "${pids[@]}"
-      study --stages report >> "$W/study/logs/report.log" 2>&1
-      pack ;;
+      study --stages report >> "$W/study/logs/report.log" 2>&1 ;;
     14b|14b:*)
       local rows=${1#14b:}
       [ "$rows" = "$1" ] && rows=${ROWS14:-lora32}
@@ -105,7 +104,7 @@ job() {
     *) el "unknown job $1 (sagebwd, floors, train, eval, 14b)"; return 2 ;;
   esac
 }
-export -f el left study pack job
+export -f el left study job
 export OUT W DEADLINE T0 EVAL_GROUPS
 
 run_lane() {   # run_lane INDEX: the lane's jobs in order on its GPU, all killed at the deadline
@@ -124,7 +123,7 @@ if [ "$ngpu" -gt 1 ]; then
 else
   for i in "${!lanes[@]}"; do run_lane "$i"; done
 fi
-[ -d "$W/study" ] && pack   # a study cut off at the deadline: what it finished
+[ -d "$W/study" ] && pack   # what the study has, finished or cut off at the deadline
 ls -la "$OUT" "$OUT"/14b-* "$OUT/floors" 2>/dev/null
 tail -n 12 "$OUT/sagebwd.log" 2>/dev/null
 grep -h "^==\|ratio\|sagebwd\|bf16" "$OUT/floors.log" 2>/dev/null | tail -n 16
