@@ -460,8 +460,11 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     """dQ, dK, dV (B, S, H, D) in q's dtype. ``smoothing_correction=False``: dQ without the
     rowsum(dS) ⊗ k̄ term (a measurement, as in the reference).
 
-    ``config``: ``{"dkdv": {...}, "dq": {...}}`` launch options over :data:`DKDV_CONFIG` and
-    :data:`DQ_CONFIG`. dK/dV: ``split`` (a dV launch and a dK launch, each recomputing S, instead of
+    ``config``: ``{"schedule": ..., "gluon": {...}, "dkdv": {...}, "dq": {...}}``. ``schedule``:
+    ``"gluon"`` the hand-scheduled Hopper launches of :mod:`.gluon_sagebwd` (``gluon``: their
+    ``{"dv", "dk", "dq"}`` options), ``"triton"`` the Triton kernels below, or None: Gluon where
+    it takes the operands (:func:`choose_backward_schedule`). ``dkdv``, ``dq``: the Triton launches'
+    options over :data:`DKDV_CONFIG` and :data:`DQ_CONFIG`. dK/dV: ``split`` (a dV launch and a dK launch, each recomputing S, instead of
     one launch with both accumulators), ``dv``/``dk`` (options of one launch of a split). dQ:
     ``stored`` — the dK launch also writes dS's INT8 codes, block scales and row sums (per chunk of
     (batch, head) pairs, at most :data:`DS_CHUNK_BYTES` of codes or one pair's when that is more:
@@ -472,11 +475,20 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     Skv = k.shape[1]
     Sqp, Skp = _padded(Sq), _padded(Skv)
     _, do8t, sdo, delta = quantize(do, 128, normal=False, transposed=True, o32=o32)
+    config = dict(config or {})
+    gluon_cfg = config.pop("gluon", None)
+    if choose_backward_schedule(v, do, config.pop("schedule", None)) == "gluon":
+        from . import gluon_sagebwd  # noqa: PLC0415
+
+        dq, dk, dv = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
+        gluon_sagebwd.gluon_backward(v.contiguous(), do.contiguous(), state, do8t, sdo, delta, dq, dk, dv,
+                                     scale=scale, smoothing_correction=smoothing_correction, config=gluon_cfg)
+        return dq, dk, dv
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     cfg = dict(dkdv=dict(DKDV_CONFIG), dq=dict(DQ_CONFIG))
-    for key, val in (config or {}).items():
+    for key, val in config.items():
         cfg[key].update(val)
     qk = float(scale) * LOG2E
     s = state
@@ -514,6 +526,28 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
             *v.stride(), *do.stride(), *dq.stride(), H, Sq, Skv, Sqp, Skp, qk, float(scale),
             D=D, BM=128, BN=64, CORRECTION=smoothing_correction, **dq_cfg)
     return dq, dk, dv
+
+
+#: the backward's default schedule where Gluon runs (None: the Triton kernels everywhere)
+AUTO_SCHEDULE = "gluon"
+
+
+def choose_backward_schedule(v, do, schedule: str | None) -> str:
+    """``"gluon"`` or ``"triton"``: ``schedule`` when given (``"gluon"`` raises where it cannot run,
+    saying why), else :data:`AUTO_SCHEDULE` where :func:`.gluon_sagebwd.gluon_sagebwd_unsupported`
+    finds nothing against it, else ``"triton"``."""
+    if schedule not in (None, "gluon", "triton"):
+        raise ValueError(f"schedule must be 'gluon', 'triton' or None, got {schedule!r}")
+    if schedule == "triton" or (schedule is None and AUTO_SCHEDULE != "gluon"):
+        return "triton"
+    from .gluon_sagebwd import gluon_sagebwd_unsupported  # noqa: PLC0415
+
+    why = gluon_sagebwd_unsupported(v, do)
+    if why is None:
+        return "gluon"
+    if schedule == "gluon":
+        raise RuntimeError(f"the Gluon sagebwd backward cannot run: {why}")
+    return "triton"
 
 
 class SageBwdAttention(torch.autograd.Function):

@@ -32,9 +32,12 @@ def test_combinations_join_the_faster_launch_options():
 
 
 def test_pick_takes_the_fastest_correct_rows_combos_included():
-    assert pick(ROWS) == {"fwd": {"BM": 128, "num_warps": 8, "num_stages": 3},
+    assert pick(ROWS) == {"fwd": {"BM": 128, "num_warps": 8, "num_stages": 3}, "schedule": "triton",
                           "dkdv": {"split": True, "dk": {"num_warps": 8, "num_stages": 1}},
                           "dq": {"stored": True, "num_warps": 8, "num_stages": 3}}
     combo = {"dkdv": {"split": False, "num_warps": 8, "num_stages": 1}, "dq": {"stored": True}}
     assert pick(ROWS + [row("combo", combo, 40.0)])["dkdv"] == combo["dkdv"]
     assert pick([row("fwd", {}, 1.0, err=0.5)]) == {}
+    # a whole backward configuration (the Gluon schedule with launch options) is taken as it is
+    gluon = {"schedule": "gluon", "gluon": {"dq": {"STAGES": 3}}}
+    assert pick(ROWS + [row("bwd", gluon, 30.0)]) == {"fwd": {"BM": 128, "num_warps": 8, "num_stages": 3}, **gluon}

@@ -34,9 +34,16 @@ RUNS = {
 
 
 def apply(best: dict) -> None:
-    """Make ``best`` (a ``sagebwd_attention`` config) the kernels' defaults in this process."""
+    """Make ``best`` (a ``sagebwd_attention`` config) the kernels' defaults in this process: the
+    backward's schedule and the launch options of either schedule."""
+    from attnqat.kernels import gluon_sagebwd as gs
+
     for key, table in (("fwd", ks.FWD_CONFIG), ("dkdv", ks.DKDV_CONFIG), ("dq", ks.DQ_CONFIG)):
         table.update(best.get(key, {}))
+    if "schedule" in best:
+        ks.AUTO_SCHEDULE = best["schedule"]
+    for key, table in (("dv", gs.DV_CONFIG), ("dk", gs.DK_CONFIG), ("dq", gs.DQ_CONFIG)):
+        table.update(best.get("gluon", {}).get(key, {}))
 
 
 def main(argv=None) -> int:
@@ -52,8 +59,10 @@ def main(argv=None) -> int:
     apply(best)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "best.json").write_text(json.dumps(
-        dict(best=best, fwd=ks.FWD_CONFIG, dkdv=ks.DKDV_CONFIG, dq=ks.DQ_CONFIG), indent=1) + "\n")
-    print(f"sagebwd defaults now: fwd {ks.FWD_CONFIG}  dkdv {ks.DKDV_CONFIG}  dq {ks.DQ_CONFIG}", flush=True)
+        dict(best=best, fwd=ks.FWD_CONFIG, schedule=ks.AUTO_SCHEDULE, dkdv=ks.DKDV_CONFIG, dq=ks.DQ_CONFIG),
+        indent=1) + "\n")
+    print(f"sagebwd defaults now: fwd {ks.FWD_CONFIG}  backward schedule {ks.AUTO_SCHEDULE}  dkdv {ks.DKDV_CONFIG}  "
+          f"dq {ks.DQ_CONFIG}", flush=True)
     status = 0
     for name, argv_ in RUNS.items():
         if name in args.skip.split(","):
