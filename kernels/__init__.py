@@ -15,7 +15,8 @@ hand-scheduled in Gluon for Hopper: what ``backend="auto"`` runs there), :mod:`.
 ``attnqat`` training forward in Gluon, likewise), :mod:`.gluon_bwd` (the
 backward's dK/dV and dQ kernels in Gluon for Hopper: same bits, likewise), :mod:`.sage3` (SageAttention3
 numerics), :mod:`.sagebwd` (``sagebwd``, trainable INT8 attention: forward, backward and its
-quantization pass), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
+quantization pass), :mod:`.gluon_sagebwd` (the ``sagebwd`` backward in Gluon for Hopper, its default
+there), :mod:`.sagebwd_bench` (its tuning bench), :mod:`.bench` (``attnqat bench kernels``), :mod:`.sass` (machine code read without a GPU).
 
 Imports point one way: the rest of the project imports this package, never the reverse (the
 shared definitions live in :mod:`.formats`, below both).

@@ -1,35 +1,32 @@
 """The ``sagebwd`` backward hand-scheduled in Gluon for Hopper (issue 33): INT8 wgmma, TMA rings fed
-by a producer warp, the products kept in flight under the exponentials and the quantizers.
+by a producer warp, two consumer warpgroups a CTA.
 
-The same quantities as :mod:`.sagebwd`'s Triton kernels, on the same tiles (docs/numerics.md):
+The same quantities as :mod:`.sagebwd`'s Triton kernels, on the same tiles (docs/numerics.md), in
+three launches (docs/benchmarks.md, "The Gluon backward"):
 
-* **dV launch** (``PART`` 1) and **dK launch** (``PART`` 2) of :func:`gluon_kv_kernel`: one CTA owns
-  128 keys of one (batch, head), loaded once (INT8 K; the dK launch also BF16 V); two consumer
-  warpgroups own 64 keys each and walk over the 128-query steps, whose tiles a producer warp loads
-  through a ``STAGES``-deep ring (dV: INT8 Q and dOᵀ; dK: INT8 Q, BF16 dO, INT8 Qᵀ). A step works on
-  the transposed scores, keys along the rows: Sᵀ = K·Qᵀ (INT8 → int32), Pᵀ = exp2(Sᵀ·c − LSE₂);
-  dV: P's codes per key over the 128 queries, dV += (P̃ᵀ·dO₈)·(s_P ⊗ s_dO); dK: dPᵀ = V·dOᵀ in BF16,
-  dSᵀ = Pᵀ ∘ (dPᵀ − D), one code block of 64 keys × 128 queries, dK += (dS̃ᵀ·Q₈)·s_dS·s_Q. The codes go
-  to this warpgroup's shared tile ([64 keys, 128 queries], queries contiguous: INT8 wgmma wants both
-  operands K-major) and the product is issued without waiting for it.
-* **dQ launch** (:func:`gluon_dq_kernel`): one CTA owns 128 queries (INT8 Q and BF16 dO, loaded
-  once) in one 8-warp consumer, so that a step's dS block — 128 queries × 64 keys, the definition's
-  — is reduced inside one partition; a producer warp rings INT8 K_j, BF16 V_j and INT8 K_jᵀ per
-  64-key step. S = Q·K_jᵀ, P, dP = dO·V_jᵀ (BF16), dS, its row sums (the smoothing correction),
-  codes, dQ += (dS̃·K₈)·s_dS·s_K.
+* **dV launch** (``PART`` 1 of :func:`gluon_kv_kernel`): one CTA owns 128 keys of one (batch, head)
+  (INT8 K loaded once); two consumer warpgroups own 64 keys each and walk the 128-query steps, whose
+  INT8 Q and dOᵀ tiles a producer warp loads through a ``STAGES``-deep ring. A step works on Sᵀ =
+  K·Qᵀ (keys along the rows, so P's per-key scale over the step's queries is a row maximum), Pᵀ =
+  exp2(Sᵀ·c − LSE₂), P's codes to this warpgroup's shared tile ([64 keys, 128 queries], queries
+  contiguous: INT8 wgmma wants both operands K-major), dV += (P̃ᵀ·dO₈)·(s_P ⊗ s_dO).
+* **dK launch** (``PART`` 2): the same CTA shape (also BF16 V; the ring holds INT8 Q, BF16 dO, INT8
+  Qᵀ) on S = Q·Kᵀ with the queries along the rows (LSE₂ and D are then 4 registers a thread, not 32),
+  dP = dO·Vᵀ in BF16, dS = P ∘ (dP − D), one code block of 128 queries × 64 keys written transposed
+  for dK += (dS̃ᵀ·Q₈)·s_dS·s_Q. ``STORE`` (the default): the codes also go, as they are, to global
+  memory by TMA, with each block's scale and row sums, for the dQ launch.
+* **dQ launch** from them (:func:`gluon_dqs_kernel`): Σ_j s_dS·s_K (dS̃_j·K₈_j) + rowsum(dS) ⊗ k̄, two
+  warpgroups of 64 queries. The recomputing dQ launch (:func:`gluon_dq_kernel`, ``"dq": {"stored":
+  False}``: no memory for the codes) holds 128 queries in one 8-warp consumer, so that a step's dS
+  block is reduced inside one partition, and recomputes S, P, dP and dS.
 
-Why two dK/dV launches and not one (the ordering of the products): a warpgroup's int32 product of
-[64 keys, D] must be scaled into its float32 accumulator every step (each step has its own scales),
-so a step holds the accumulator (64 registers a thread at D = 128), the product (64), Sᵀ (64) and dPᵀ
-(64); with both dK and dV accumulators that is 320, more than the 255 a thread can have. Split, the
-peak is the accumulator, the previous product and the next S in flight (192), and dPᵀ is issued only
-once the previous product has been folded in.
-
-Step i of a consumer (the products of step i−1 still in flight at the loop head, iteration 0
-peeled so every path has the same wgmma in flight, which ptxas needs to keep them asynchronous):
-issue Sᵀ_i; wait for product_{i−1} (issued before Sᵀ_i: groups retire in order), fold it in,
-release ring slot i−1; (dK: issue dPᵀ_i;) wait for Sᵀ_i; exponentials; (dK: wait for dPᵀ_i;) codes
-to shared memory, fence, warpgroup barrier; issue product_i.
+Two rules of the schedules, both read from the sm_90 machine code (:func:`.sass.gluon_sagebwd_facts`):
+a wgmma issued in one loop iteration and read in the next while another is in flight makes ptxas
+serialize every wgmma of the kernel, so each launch issues and retires its products within an
+iteration; and a warpgroup's int32 product of [64 keys, D] is scaled into its float32 accumulator
+every step (each step has its own scales), so a dK step holds the accumulator, S and dP (64
+registers a thread each at D = 128) and waits for its product at once — with the product in flight
+too, or both accumulators in one launch, it would spill.
 """
 
 from __future__ import annotations
@@ -48,20 +45,29 @@ from .gluon_fwd import (
     gluon,
     gluon_unavailable,
     mbarrier,
+    tma,
     tma_descriptor,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
+if tma is not None:   # triton ≥ 3.7 names it async_store
+    _tma_async_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+
 KEYS_PER_CTA = 128     # dK/dV launches: two consumer warpgroups of 64 keys (one K/V scale block)
 QUERY_STEP = 128       # dK/dV launches: queries per step (the dS and dO code blocks)
-QUERIES_PER_CTA = 128  # dQ launch: one 8-warp consumer
-KEY_STEP = 64          # dQ launch: keys per step (the dS code block)
-#: default launches: ring depth; registers of the default partition (``MAXNREG``, the launch's cap:
-#: 9 warps × 224 fit the 64 K register file), of the second consumer and of the producer warp
+QUERIES_PER_CTA = 128  # dQ launches: one 8-warp consumer (recomputing), two of 64 queries (stored dS)
+KEY_STEP = 64          # dQ launches: keys per step (the dS code block)
+#: default launches: ring depth; registers of the second consumer and of the producer warp; the
+#: launch's register cap ``MAXNREG`` (Gluon rounds the 9 warps up to 12, and 12 warps × 168 fill the
+#: 64 K register file: a larger cap cannot launch — "out of resource: threads" on the H200 — while
+#: the partitions move their own counts with setmaxnreg). dQ: ``stored`` (from the dK launch's
+#: codes; its ring depth ``STORED_STAGES``, ``chunk_bytes`` over :data:`DS_CHUNK_BYTES`) or the
+#: recomputing launch (ring depth ``STAGES``). H200, Wan 1.3B 480p, 2026-11-28: dV 2 stages, dK 1,
+#: stored dQ 2 or 6, recomputing dQ 2 were within 0.3 ms or slower (docs/benchmarks.md).
 DV_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
 DK_CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
-DQ_CONFIG = dict(STAGES=4, LOADER_REGS=24, MAXNREG=168)
+DQ_CONFIG = dict(stored=True, STORED_STAGES=4, STAGES=4, LOADER_REGS=24, MAXNREG=168)
 HEAD_DIMS = (64, 128)
 
 
@@ -119,39 +125,73 @@ if gluon is not None:
             return warpgroup_mma(q_tile, k_w.permute((1, 0)), zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _kv_scores(s, i, keys_ok, ragged, c, LSE2, s_layout: gl.constexpr, PART: gl.constexpr):
-        """P of step i from the int32 scores, exp2(S·c − LSE₂), keys past Skv out (padded queries have
+    def _kv_stats(i, LSE2, DELTA, SQ, SDO, s_layout: gl.constexpr, PART: gl.constexpr):
+        """Step i's per-query LSE₂ (and dK: D) along S's query axis, and its Q and dO scales: loaded
+        ahead of the products that need them (a global load's latency is not hidden otherwise)."""
+        if PART == 1:
+            lse = gl.load(LSE2 + i * _QS + gl.arange(0, _QS, layout=gl.SliceLayout(0, s_layout)))
+            di = lse   # unused
+        else:
+            offs = i * _QS + gl.arange(0, _QS, layout=gl.SliceLayout(1, s_layout))
+            lse = gl.load(LSE2 + offs)
+            di = gl.load(DELTA + offs)
+        return lse, di, gl.load(SQ + i), gl.load(SDO + i)
+
+    @gluon.jit
+    def _kv_scores(s, keys_ok, ragged, c, lse, PART: gl.constexpr):
+        """P of a step from the int32 scores, exp2(S·c − LSE₂), keys past Skv out (padded queries have
         LSE₂ = +inf: P = 0). dV: transposed (keys along the rows); dK: queries along the rows."""
         a = _i2f(s)
         if PART == 1:
             if ragged:
                 a = gl.where(keys_ok[:, None], a, float("-inf"))
-            lse = gl.load(LSE2 + i * _QS + gl.arange(0, _QS, layout=gl.SliceLayout(0, s_layout)))
             return gl.exp2(a * c - lse[None, :])
         else:
             if ragged:
                 a = gl.where(keys_ok[None, :], a, float("-inf"))
-            lse = gl.load(LSE2 + i * _QS + gl.arange(0, _QS, layout=gl.SliceLayout(1, s_layout)))
             return gl.exp2(a * c - lse[:, None])
 
     @gluon.jit
-    def _kv_codes(p, dp_tok, kv_bar, buf, i, SDO, DELTA, sq, s_layout: gl.constexpr, acc_row: gl.constexpr,
-                  PART: gl.constexpr):
-        """Step i's codes into ``buf`` ([64 keys, 128 queries]) and the scale their product takes: dV —
+    def _kv_codes(p, dp_tok, kv_bar, buf, i, di, sq, sdo, ds_desc, ds_out, ds_row0, ds_col, RS, SDS, n_kb,
+                  s_layout: gl.constexpr, acc_row: gl.constexpr, PART: gl.constexpr, STORE: gl.constexpr):
+        """A step's codes into ``buf`` ([64 keys, 128 queries]) and the scale their product takes: dV —
         P per key over the step's queries, scale s_P·s_dO per key; dK — waits for dP, dS = P ∘ (dP −
-        D), one block, scale s_dS·s_Q, stored transposed."""
+        D), one block, scale s_dS·s_Q, stored transposed (STORE: and as they are, [queries, keys],
+        for the dQ launch: staged in ``ds_out`` and stored by TMA at rows ``ds_row0`` + 128·i,
+        column ``ds_col``, with the block's row sums and scale, :func:`_store_sums`)."""
         if PART == 1:
             pmax = gl.max(p, 1)
             pinv = gl.where(pmax > 0, 127.0 / gl.maximum(pmax, 1e-30), 0.0)
             _store_codes(_f2i8(p * pinv[:, None]), buf)
-            return gl.convert_layout((pmax / 127.0) * gl.load(SDO + i), acc_row)
+            scale = gl.convert_layout((pmax / 127.0) * sdo, acc_row)
+            return scale
         else:
-            di = gl.load(DELTA + i * _QS + gl.arange(0, _QS, layout=gl.SliceLayout(1, s_layout)))
             mbarrier.wait(kv_bar, 0)   # long passed: a new basic block, so ptxas keeps the wait for dP here
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
-            codes, sds = _codes_scale(p * (dp - di[:, None]))
-            _store_codes(gl.permute(codes, (1, 0)), buf)
+            ds = p * (dp - di[:, None])
+            if STORE:
+                row_sums = gl.sum(ds, 1)
+            else:
+                row_sums = di   # unused
+            codes, sds = _codes_scale(ds)
+            if STORE:   # staged as they are, once the previous step's have left ds_out
+                tma.store_wait(0)
+                _thread_barrier()
+                ds_out.store(codes)
+                _store_sums(row_sums, sds, i, RS, SDS, n_kb, s_layout)
+            _store_codes(gl.permute(codes, (1, 0)), buf)   # (its fence and barrier cover ds_out too)
+            if STORE:
+                _tma_async_store(ds_desc, [ds_row0 + i * _QS, ds_col], ds_out)
             return sds * sq
+
+    @gluon.jit
+    def _store_sums(row_sums, sds, i, RS, SDS, n_kb, s_layout: gl.constexpr):
+        """The row sums of step i's dS block (the smoothing correction's: RS, this key block's row of
+        (pairs, Skp/64, Sqp)) and its scale (SDS, this key block's column of (pairs, Sqp/128,
+        Skp/64), ``n_kb`` = Skp/64 apart)."""
+        rows = i * _QS + gl.arange(0, _QS, layout=gl.SliceLayout(1, s_layout))
+        gl.store(RS + rows, row_sums)
+        gl.store(SDS + i * n_kb, sds)
 
     @gluon.jit
     def _kv_fold(acc, prod, scale, PART: gl.constexpr):
@@ -163,7 +203,9 @@ if gluon is not None:
     @gluon.jit
     def _kv_consumer(k_smem, v_smem, q_ring, b_ring, c_ring, op_smem, kv_bar, ready, empty,
                      OUT, sob, sos, soh, SQ, SDO, LSE2, DELTA, sk, b, h, n0, Skv, n_steps, qk, out_scale,
-                     WG: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr):
+                     ds_desc, ds_smem, RS, SDS, pair, Sqp, Skp,
+                     WG: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr,
+                     STORE: gl.constexpr):
         """Consumer warpgroup WG: dV (PART 1) or dK (PART 2) of keys [n0 + 64·WG, n0 + 64·WG + 64).
         The dV launch works on Sᵀ (its per-key P scales are row maxima); the dK launch on S with the
         queries along the rows (its per-query LSE₂ and D are then 4 registers a thread, not 32) and
@@ -189,9 +231,21 @@ if gluon is not None:
         zero_s = gl.zeros(s_shape, gl.int32, layout=s_layout)     # ignored (use_acc=False)
         zero_dp = gl.zeros(s_shape, gl.float32, layout=dp_layout)
         zero_prod = gl.zeros([HK, D], gl.int32, layout=acc_layout)
+        # STORE: where this warpgroup's dS goes (codes, row sums, scales of key block kb)
+        kb = (n0 + WG * HK) // HK
+        n_kb = Skp // HK
+        ds_out = ds_smem.index(WG)
+        ds_row0 = pair * Sqp
+        ds_col = n0 + WG * HK
+        RS = RS + (pair.to(gl.int64) * n_kb + kb) * Sqp
+        SDS = SDS + pair.to(gl.int64) * (Sqp // _QS) * n_kb + kb
         mbarrier.wait(kv_bar, 0)
 
+        # step i: S_i (and dP_i) issued; the exponentials; the codes; product_i issued and waited for at
+        # once (the accumulator, S and dP in flight besides a product would not fit the registers:
+        # the module's docstring), the next step's statistics loaded meanwhile
         acc = gl.zeros([HK, D], gl.float32, layout=acc_layout)
+        lse, di, sq, sdo = _kv_stats(0, LSE2, DELTA, SQ, SDO, s_layout, PART)
         for i in range(n_steps):
             stage = i % STAGES
             mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
@@ -203,13 +257,17 @@ if gluon is not None:
             else:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
                 dp_tok = s_tok   # unused
-            sq = gl.load(SQ + i)
-            p = _kv_scores(s, i, keys_ok, ragged, sq * sk * qk, LSE2, s_layout, PART)
-            scale = _kv_codes(p, dp_tok, kv_bar, buf, i, SDO, DELTA, sq, s_layout, acc_row, PART)
+            p = _kv_scores(s, keys_ok, ragged, sq * sk * qk, lse, PART)
+            scale = _kv_codes(p, dp_tok, kv_bar, buf, i, di, sq, sdo, ds_desc, ds_out, ds_row0, ds_col, RS, SDS,
+                              n_kb, s_layout, acc_row, PART, STORE)
             prod_tok = _kv_issue_prod(buf, b_ring, c_ring, stage, zero_prod, PART)
+            # the next step's statistics, on their way while this step's product runs
+            lse, di, sq, sdo = _kv_stats(gl.minimum(i + 1, n_steps - 1), LSE2, DELTA, SQ, SDO, s_layout, PART)
             prod = warpgroup_mma_wait(num_outstanding=0, deps=[prod_tok])
             acc = _kv_fold(acc, prod, scale, PART)
             mbarrier.arrive(empty.index(stage), count=1)
+        if STORE:
+            tma.store_wait(0)   # the last codes have left shared memory
         offs_n = n0 + WG * HK + gl.arange(0, HK, layout=acc_row)
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
         gl.store(OUT + b.to(gl.int64) * sob + h.to(gl.int64) * soh + offs_n[:, None] * sos + offs_d[None, :],
@@ -264,8 +322,8 @@ if gluon is not None:
 
     @gluon.jit
     def gluon_kv_kernel(k_desc, v_desc, q_desc, b_desc, c_desc, OUT, sob, sos, soh, SQ, SK, SDO, LSE2, DELTA,
-                        H, Skv, Sqp, Skp, qk, out_scale,
-                        D: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr,
+                        ds_desc, RS, SDS, H, Skv, Sqp, Skp, qk, out_scale, BH0,
+                        D: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr, STORE: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         """Grid (Skp/128, B·H), ``num_warps=4`` (+ 4 + 1 worker warps). PART 1: dV into OUT; 2: dK
         (times ``out_scale`` = the softmax scale). Descriptors: K₈ (B·H·Skp, D) box [128, D]; V
@@ -274,7 +332,8 @@ if gluon is not None:
         D]; ``c_desc``: dK — Qᵀ₈ (B·H·D, Sqp) box [D, 128]. SQ, SDO (B, H, Sqp/128), SK (B, H,
         Skp/128), LSE2, DELTA (B, H, Sqp) float32."""
         gl.static_assert(D == 64 or D == 128, "head_dim must be 64 or 128")
-        bh = gl.program_id(1)
+        pair = gl.program_id(1)
+        bh = BH0 + pair
         b, h = _batch_head(bh, H)
         n0 = gl.program_id(0) * _KC
         n_steps = Sqp // _QS
@@ -293,6 +352,11 @@ if gluon is not None:
             b_ring = gl.allocate_shared_memory(gl.int8, [STAGES, D, _QS], cols8)
             c_ring = b_ring   # unused
         op_smem = gl.allocate_shared_memory(gl.int8, [2, _KC // 2, _QS], op_layout)
+        if STORE:
+            ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_QS, _KC // 2], gl.int8)
+            ds_smem = gl.allocate_shared_memory(gl.int8, [2, _QS, _KC // 2], ds_layout)
+        else:
+            ds_smem = op_smem   # unused
         kv_bar, ready, empty = _ring_barriers(STAGES, 2)
         sk = gl.load(SK + bh.to(gl.int64) * (Skp // _KC) + gl.program_id(0))
         row0 = bh.to(gl.int64) * Sqp
@@ -301,10 +365,10 @@ if gluon is not None:
         gl.warp_specialize([
             (_kv_consumer, (k_smem, v_smem, q_ring, b_ring, c_ring, op_smem, kv_bar, ready, empty,
                             OUT, sob, sos, soh, SQ, SDO, LSE2 + row0, DELTA + row0, sk, b, h, n0, Skv, n_steps,
-                            qk, out_scale, 0, D, STAGES, PART)),
+                            qk, out_scale, ds_desc, ds_smem, RS, SDS, pair, Sqp, Skp, 0, D, STAGES, PART, STORE)),
             (_kv_consumer, (k_smem, v_smem, q_ring, b_ring, c_ring, op_smem, kv_bar, ready, empty,
                             OUT, sob, sos, soh, SQ, SDO, LSE2 + row0, DELTA + row0, sk, b, h, n0, Skv, n_steps,
-                            qk, out_scale, 1, D, STAGES, PART)),
+                            qk, out_scale, ds_desc, ds_smem, RS, SDS, pair, Sqp, Skp, 1, D, STAGES, PART, STORE)),
             (_kv_loader, (k_desc, v_desc, k_smem, v_smem, kv_bar, q_desc, b_desc, c_desc, q_ring, b_ring, c_ring,
                           ready, empty, b, h, bh, n0, Skp, Sqp, n_steps, D, STAGES, PART)),
         ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -355,9 +419,10 @@ if gluon is not None:
             dp_tok = warpgroup_mma(do_smem, v_ring.index(stage).permute((1, 0)), zero_dp, use_acc=False,
                                    is_async=True)
             sk = gl.load(SK + j // 2)
-            prod, s = warpgroup_mma_wait(num_outstanding=1, deps=[prod_tok, s_tok])
+            prod = warpgroup_mma_wait(num_outstanding=2, deps=[prod_tok])   # folded while S_j, dP_j run
             acc = acc + _i2f(prod) * scale
             mbarrier.arrive(empty.index(prev), count=1)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])
             ds = _dq_ds(s, dp_tok, qdo_bar, j * _KS, Skv, c0 * sk, lse2, di, s_layout)
             rs += gl.sum(ds, 1)
             codes, sds = _codes_scale(ds)
@@ -445,6 +510,117 @@ if gluon is not None:
         ], [1], [LOADER_REGS])
 
 
+    # ------------------------------------------------------------------------------------------
+    # dQ from the stored dS codes
+    # ------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _dqs_consumer(ds_ring, kt_ring, ready, empty, DQ, sob, sos, soh, SDS, SK, RS, KMEAN, b, h, m0, Sq,
+                      Sqp, n_steps, sm_scale, WG: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+                      CORRECTION: gl.constexpr):
+        """Consumer warpgroup WG: dQ of queries [m0 + 64·WG, m0 + 64·WG + 64) = Σ_j s_dS·s_K (dS̃_j·K₈_j)
+        (+ rowsum(dS) ⊗ k̄), from the codes, scales and row sums the dK launch stored."""
+        HQ: gl.constexpr = _QC // 2
+        acc_layout: gl.constexpr = _acc_layout(4, D)           # [64 queries, D]
+        row: gl.constexpr = gl.SliceLayout(1, acc_layout)
+        rows = m0 + WG * HQ + gl.arange(0, HQ, layout=row)
+        zero_prod = gl.zeros([HQ, D], gl.int32, layout=acc_layout)
+        acc = gl.zeros([HQ, D], gl.float32, layout=acc_layout)
+        rs = gl.zeros([HQ], gl.float32, layout=row)
+        # two steps an iteration: the second's product runs while the first's is folded in (both
+        # issued and waited for inside the iteration, as ptxas needs to keep them asynchronous); the
+        # scales and row sums of the next two steps are loaded ahead
+        sc0, sc1, rs0, rs1 = _dqs_stats(0, n_steps, SDS, SK, RS, Sqp, rows)
+        for j in range(0, n_steps - 1, 2):
+            st0 = j % STAGES
+            st1 = (j + 1) % STAGES
+            mbarrier.wait(ready.index(st0), (j // STAGES) & 1)
+            tok0 = warpgroup_mma(ds_ring.index(st0).slice(WG * HQ, HQ), kt_ring.index(st0).permute((1, 0)),
+                                 zero_prod, use_acc=False, is_async=True)
+            mbarrier.wait(ready.index(st1), ((j + 1) // STAGES) & 1)
+            tok1 = warpgroup_mma(ds_ring.index(st1).slice(WG * HQ, HQ), kt_ring.index(st1).permute((1, 0)),
+                                 zero_prod, use_acc=False, is_async=True)
+            if CORRECTION:
+                rs += rs0
+                rs += rs1
+            scale0 = sc0
+            scale1 = sc1
+            sc0, sc1, rs0, rs1 = _dqs_stats(j + 2, n_steps, SDS, SK, RS, Sqp, rows)
+            prod = warpgroup_mma_wait(num_outstanding=1, deps=[tok0])
+            mbarrier.arrive(empty.index(st0), count=1)
+            acc = acc + _i2f(prod) * scale0
+            prod = warpgroup_mma_wait(num_outstanding=0, deps=[tok1])
+            mbarrier.arrive(empty.index(st1), count=1)
+            acc = acc + _i2f(prod) * scale1
+        if n_steps % 2 == 1:   # the last step alone
+            j = n_steps - 1
+            st0 = j % STAGES
+            mbarrier.wait(ready.index(st0), (j // STAGES) & 1)
+            tok0 = warpgroup_mma(ds_ring.index(st0).slice(WG * HQ, HQ), kt_ring.index(st0).permute((1, 0)),
+                                 zero_prod, use_acc=False, is_async=True)
+            if CORRECTION:
+                rs += rs0
+            prod = warpgroup_mma_wait(num_outstanding=0, deps=[tok0])
+            mbarrier.arrive(empty.index(st0), count=1)
+            acc = acc + _i2f(prod) * sc0
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        if CORRECTION:
+            acc = acc + rs[:, None] * gl.load(KMEAN + offs_d)[None, :]
+        gl.store(DQ + b.to(gl.int64) * sob + h.to(gl.int64) * soh + rows[:, None] * sos + offs_d[None, :],
+                 (acc * sm_scale).to(DQ.dtype.element_ty), mask=(rows < Sq)[:, None])
+
+    @gluon.jit
+    def _dqs_stats(j, n_steps, SDS, SK, RS, Sqp, rows):
+        """The scales s_dS·s_K and the row sums of steps j and j + 1 (clamped to the last step)."""
+        j0 = gl.minimum(j, n_steps - 1)
+        j1 = gl.minimum(j + 1, n_steps - 1)
+        return (gl.load(SDS + j0) * gl.load(SK + j0 // 2), gl.load(SDS + j1) * gl.load(SK + j1 // 2),
+                gl.load(RS + j0.to(gl.int64) * Sqp + rows), gl.load(RS + j1.to(gl.int64) * Sqp + rows))
+
+    @gluon.jit
+    def _dqs_loader(ds_desc, kt_desc, ds_ring, kt_ring, ready, empty, ds_row, kt_row, n_steps,
+                    STAGES: gl.constexpr):
+        """The producer warp: per 64-key step the CTA's [128, 64] dS codes and K₈ᵀ_j."""
+        for j in range(n_steps):
+            stage = j % STAGES
+            mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+            bar = ready.index(stage)
+            mbarrier.expect(bar, ds_desc.block_type.nbytes + kt_desc.block_type.nbytes)
+            _tma_async_load(ds_desc, [ds_row, j * _KS], bar, ds_ring.index(stage))
+            _tma_async_load(kt_desc, [kt_row, j * _KS], bar, kt_ring.index(stage))
+
+    @gluon.jit
+    def gluon_dqs_kernel(ds_desc, kt_desc, DQ, sob, sos, soh, SDS, SK, RS, KMEAN, H, Sq, Skv, Sqp, Skp, sm_scale, BH0,
+                         D: gl.constexpr, STAGES: gl.constexpr, CORRECTION: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """Grid (Sqp/128, pairs from BH0 on), ``num_warps=4`` (+ 4 + 1 worker warps). ``ds_desc``: the
+        codes (pairs·Sqp, Skp) box [128, 64]; K₈ᵀ (B·H·D, Skp) box [D, 64]; SDS (pairs, Sqp/128,
+        Skp/64), RS (pairs, Skp/64, Sqp), SK (B, H, Skp/128), KMEAN (B, H, D) float32."""
+        gl.static_assert(D == 64 or D == 128, "head_dim must be 64 or 128")
+        pair = gl.program_id(1)
+        bh = BH0 + pair
+        b, h = _batch_head(bh, H)
+        m0 = gl.program_id(0) * _QC
+        bh64 = bh.to(gl.int64)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_QC, _KS], gl.int8)
+        kt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([D, _KS], gl.int8)
+        ds_ring = gl.allocate_shared_memory(gl.int8, [STAGES, _QC, _KS], ds_layout)
+        kt_ring = gl.allocate_shared_memory(gl.int8, [STAGES, D, _KS], kt_layout)
+        unused, ready, empty = _ring_barriers(STAGES, 2)
+        n_steps = gl.cdiv(Skv, _KS)
+        n_kb = Skp // _KS
+        SDS = SDS + (pair.to(gl.int64) * (Sqp // _QC) + gl.program_id(0)) * n_kb
+        RS = RS + pair.to(gl.int64) * n_kb * Sqp
+        gl.warp_specialize([
+            (_dqs_consumer, (ds_ring, kt_ring, ready, empty, DQ, sob, sos, soh, SDS, SK + bh64 * (Skp // 128), RS,
+                             KMEAN + bh64 * D, b, h, m0, Sq, Sqp, n_steps, sm_scale, 0, D, STAGES, CORRECTION)),
+            (_dqs_consumer, (ds_ring, kt_ring, ready, empty, DQ, sob, sos, soh, SDS, SK + bh64 * (Skp // 128), RS,
+                             KMEAN + bh64 * D, b, h, m0, Sq, Sqp, n_steps, sm_scale, 1, D, STAGES, CORRECTION)),
+            (_dqs_loader, (ds_desc, kt_desc, ds_ring, kt_ring, ready, empty, pair * Sqp + m0, bh * D, n_steps,
+                           STAGES)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
 # ----------------------------------------------------------------------------------------------
 # Launch
 # ----------------------------------------------------------------------------------------------
@@ -468,12 +644,24 @@ def gluon_sagebwd_unsupported(v, do) -> str | None:
     return gluon_unavailable(v.device)
 
 
+LAUNCHES = ("dv", "dk", "dq")
+#: the most bytes of dS codes one chunk of (batch, head) pairs keeps for the stored-dS dQ (at least
+#: one pair's: 1.07 GB at the Wan 1.3B 480p shape, 5.7 GB at 720p)
+DS_CHUNK_BYTES = 4 << 30
+
+
 def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, smoothing_correction: bool = True,
-                   config: dict | None = None) -> None:
+                   config: dict | None = None, launches=LAUNCHES) -> None:
     """Writes dQ, dK, dV of :func:`.sagebwd.backward` with the Gluon launches: ``state`` is the
     forward's (INT8 Q, K in both layouts, scales, k̄, LSE₂); ``do8t``, ``sdo``, ``delta`` the dO
     quantization's. ``config``: ``{"dv": {...}, "dk": {...}, "dq": {...}}`` over :data:`DV_CONFIG`,
-    :data:`DK_CONFIG`, :data:`DQ_CONFIG`."""
+    :data:`DK_CONFIG`, :data:`DQ_CONFIG`; ``"dq": {"stored": True}``: the dK launch also stores dS
+    (codes, block scales, row sums; per chunk of pairs, :data:`DS_CHUNK_BYTES` or ``chunk_bytes``)
+    and dQ is their product with K (:func:`gluon_dqs_kernel`) instead of a launch that recomputes
+    S, P, dP and dS. ``launches``: which of the three to run (the tuning bench times them apart;
+    a stored-dS "dq" alone reads whatever the buffers hold: for timing only)."""
+    import torch  # noqa: PLC0415
+
     B, Sq, H, D = dq.shape
     Skv = dk.shape[1]
     Sqp, Skp = state["q8"].shape[2], state["k8"].shape[2]
@@ -486,20 +674,51 @@ def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, 
     k8 = _int8_descriptor(s["k8"].view(B * H * Skp, D), (KEYS_PER_CTA, D))
     q8t = _int8_descriptor(s["q8t"].view(B * H * D, Sqp), (D, QUERY_STEP))
     do8 = _int8_descriptor(do8t.view(B * H * D, Sqp), (D, QUERY_STEP))
+    k8t_step = _int8_descriptor(s["k8t"].view(B * H * D, Skp), (D, KEY_STEP))
     v_desc = tma_descriptor(v, KEYS_PER_CTA)
     do_desc = tma_descriptor(do, QUERY_STEP)
-    for part, out, b_desc, c_desc, out_scale, cfg in ((1, dv, do8, do8, 1.0, cfgs["dv"]),
-                                                       (2, dk, do_desc, q8t, float(scale), cfgs["dk"])):
-        gluon_kv_kernel[(Skp // KEYS_PER_CTA, B * H)](
+    pairs = B * H
+    stored = cfgs["dq"].get("stored", False)
+
+    def kv(part, out, b_desc, c_desc, out_scale, cfg, bh0=0, n=pairs, store=None):
+        ds_desc, rs, sds = store if store is not None else (q8, delta, delta)   # placeholders, not read
+        gluon_kv_kernel[(Skp // KEYS_PER_CTA, n)](
             k8, v_desc, q8, b_desc, c_desc, out, out.stride(0), out.stride(1), out.stride(2),
-            s["sq"], s["sk"], sdo, s["lse2"], delta, H, Skv, Sqp, Skp, qk, out_scale,
-            D=D, STAGES=cfg["STAGES"], PART=part, CONSUMER_REGS=cfg["CONSUMER_REGS"],
-            LOADER_REGS=cfg["LOADER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
+            s["sq"], s["sk"], sdo, s["lse2"], delta, ds_desc, rs, sds, H, Skv, Sqp, Skp, qk, out_scale, bh0,
+            D=D, STAGES=cfg["STAGES"], PART=part, STORE=store is not None,
+            CONSUMER_REGS=cfg["CONSUMER_REGS"], LOADER_REGS=cfg["LOADER_REGS"], num_warps=4,
+            maxnreg=cfg["MAXNREG"])
+
+    if "dv" in launches:
+        kv(1, dv, do8, do8, 1.0, cfgs["dv"])
+    if stored:
+        if "dk" not in launches and "dq" not in launches:
+            return
+        cfg = cfgs["dq"]
+        chunk = max(1, min(pairs, cfg.get("chunk_bytes", DS_CHUNK_BYTES) // (Sqp * Skp)))
+        ds8 = torch.empty(chunk, Sqp, Skp, device=dq.device, dtype=torch.int8)
+        rs = torch.empty(chunk, Skp // KEY_STEP, Sqp, device=dq.device, dtype=torch.float32)
+        sds = torch.empty(chunk, Sqp // QUERY_STEP, Skp // KEY_STEP, device=dq.device, dtype=torch.float32)
+        ds_desc = _int8_descriptor(ds8.view(chunk * Sqp, Skp), (QUERIES_PER_CTA, KEY_STEP))
+        for bh0 in range(0, pairs, chunk):
+            n = min(chunk, pairs - bh0)
+            if "dk" in launches:
+                kv(2, dk, do_desc, q8t, float(scale), cfgs["dk"], bh0, n, store=(ds_desc, rs, sds))
+            if "dq" not in launches:
+                continue
+            gluon_dqs_kernel[(Sqp // QUERIES_PER_CTA, n)](
+                ds_desc, k8t_step, dq, dq.stride(0), dq.stride(1), dq.stride(2), sds, s["sk"], rs, s["kmean"],
+                H, Sq, Skv, Sqp, Skp, float(scale), bh0, D=D, STAGES=cfg["STORED_STAGES"],
+                CORRECTION=smoothing_correction, CONSUMER_REGS=240, LOADER_REGS=24, num_warps=4, maxnreg=168)
+        return
+    if "dk" in launches:
+        kv(2, dk, do_desc, q8t, float(scale), cfgs["dk"])
+    if "dq" not in launches:
+        return
     cfg = cfgs["dq"]
     gluon_dq_kernel[(Sqp // QUERIES_PER_CTA, B * H)](
         q8, do_desc, _int8_descriptor(s["k8"].view(B * H * Skp, D), (KEY_STEP, D)), tma_descriptor(v, KEY_STEP),
-        _int8_descriptor(s["k8t"].view(B * H * D, Skp), (D, KEY_STEP)), dq, dq.stride(0), dq.stride(1),
+        k8t_step, dq, dq.stride(0), dq.stride(1),
         dq.stride(2), s["sq"], s["sk"], s["kmean"], s["lse2"], delta, H, Sq, Skv, Sqp, Skp, qk, float(scale),
         D=D, STAGES=cfg["STAGES"], CORRECTION=smoothing_correction, LOADER_REGS=cfg["LOADER_REGS"],
         num_warps=8, maxnreg=cfg["MAXNREG"])
-

@@ -15,6 +15,9 @@ computes the same quantities with the same tiles:
   (one program per 128 queries, looping over 64-key tiles): S recomputed bit for bit, dP = dO·Vᵀ in
   16 bits, dS = P ∘ (dP − D); dV = Pᵀ·dO, dK = dSᵀ·Q, dQ = dS·K in int8 → int32.
 
+On Hopper :func:`backward` runs the Gluon launches of :mod:`.gluon_sagebwd` instead (the same
+quantities; :func:`choose_backward_schedule`), with dQ from the dS codes the dK launch stores.
+
 Exact against the reference: the codes and scales of Q, K (smoothed), V and dO, and t = S·scale·log2e
 (the debug output ``store_t``). Everything after an exp2 agrees to rounding (exp2 on the GPU is not
 torch.exp2's, so a P or dS code may differ by one).

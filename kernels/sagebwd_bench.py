@@ -1,13 +1,15 @@
 """Tuning bench of the ``sagebwd`` kernels against cuDNN BF16 SDPA in one process (CUDA only).
 
-    python -m attnqat.kernels.sagebwd_bench [--variants [--pick]] [--profile] [--json PATH]
+    python -m attnqat.kernels.sagebwd_bench [--variants [--gluon-only] [--pick]] [--profile] [--json PATH]
 
 Times, at the Wan 2.1 1.3B 480p shape (B=1, H=12, S=32,760, D=128; random BF16 inputs): cuDNN's
 forward and forward+backward, then sagebwd's (quantization included), each twice (the spread is
-the noise), and prints the ratios. ``--profile``: CUDA time per kernel (torch.profiler).
+the noise), and prints the ratios. ``--profile``: CUDA time per kernel (torch.profiler), and each
+Gluon backward launch timed alone (:data:`LAUNCH_VARIANTS`).
 ``--variants``: the tile configurations (warps, pipeline stages, forward query tile) of each kernel,
 and dQ from stored dS codes (``dq: stored``), each checked against the default's output before it
-is timed (the backward rows time the whole backward). ``--pick``: then the combinations of the
+is timed (the backward rows time the whole backward), and the Gluon backward's launch options
+(``bwd`` rows; ``--gluon-only``: those alone, without the Triton kernels' tiles). ``--pick``: then the combinations of the
 fastest rows (the split's best dV and dK launch options with the best recomputing dQ; with the best
 stored-dS dQ), each checked and timed the same way, and the fastest forward and backward overall as
 ``best`` in the JSON (``docs/benchmarks/sagebwd_floors.py`` times the floors with them). The rows
@@ -90,12 +92,44 @@ def pick(rows) -> dict:
     return best
 
 
+#: Gluon launches timed one by one with --profile (kernels/gluon_sagebwd.py): (label, launch, backward
+#: options). The stored-dS dQ launch alone reads whatever the buffers hold (a timing, not a result).
+LAUNCH_VARIANTS = (
+    ("dV", "dv", {}), ("dK", "dk", {"dq": {"stored": False}}), ("dK storing dS", "dk", {}),
+    ("dQ from stored dS", "dq", {}), ("dQ recomputing", "dq", {"dq": {"stored": False}}),
+)
+
+
+def _gluon_launch_times(q, k, v, do, rep_ms: float) -> dict:
+    """ms of each Gluon backward launch alone (the forward's state and dO's quantization made once),
+    for the :data:`LAUNCH_VARIANTS`; {} where the Gluon backward cannot run here."""
+    from . import gluon_sagebwd as gs
+
+    if gs.gluon_sagebwd_unsupported(v, do) is not None:
+        return {}
+    scale = q.shape[-1] ** -0.5
+    with torch.no_grad():
+        o32, st = ks.forward(q, k, v, scale, training=True)
+        _, do8t, sdo, delta = ks.quantize(do, 128, normal=False, transposed=True, o32=o32)
+    outs = [torch.empty_like(x) for x in (q, k, v)]
+    times = {}
+    for label, launch, config in LAUNCH_VARIANTS:
+        run = lambda: gs.gluon_backward(v, do, st, do8t, sdo, delta, *outs, scale=scale, config=config,
+                                        launches=(launch,))
+        times[label] = min(_bench(run, rep_ms) for _ in range(2))
+        print(f"gluon launch {label:24s} {times[label]:8.3f} ms", flush=True)
+    return times
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--pick", action="store_true", help="with --variants: time the best rows' "
                     "combinations and record the fastest configuration as 'best'")
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="CUDA time per kernel, and each Gluon "
+                    "backward launch timed alone")
+    ap.add_argument("--gluon-only", action="store_true", help="with --variants: leave out the Triton "
+                    "kernels' tile variants")
     ap.add_argument("--rep-ms", type=float, default=400.0)
     ap.add_argument("--fwd", action="append", default=[], help="extra forward config as JSON")
     ap.add_argument("--dkdv", action="append", default=[], help="extra dK/dV config as JSON")
@@ -135,6 +169,7 @@ def main(argv=None) -> int:
     base = {"cudnn": rows[0], "sage": rows[1]}
 
     if args.profile:
+        out["gluon_launches"] = _gluon_launch_times(q, k, v, do, args.rep_ms)
         with torch.no_grad():
             out["profile_fwd"] = _kernel_times(lambda: sage()(q, k, v))
         out["profile_fwdbwd"] = _kernel_times(step_of(sage()))
@@ -148,9 +183,11 @@ def main(argv=None) -> int:
     if args.variants:
         # the defaults, timed as the variants are: forward; the Triton backward; the default backward
         variants += [("fwd", {}), ("dq", {}), ("bwd", {})]
-        # the Gluon launches' ring depths (kernels/gluon_sagebwd.py)
-        for part, stages in (("dv", 2), ("dv", 4), ("dk", 1), ("dq", 2), ("dq", 3)):
-            variants.append(("bwd", {"schedule": "gluon", "gluon": {part: {"STAGES": stages}}}))
+        # the Gluon launches' options (kernels/gluon_sagebwd.py): ring depths, products overlapped
+        for part, opt in (("dv", {"STAGES": 2}), ("dk", {"STAGES": 1}), ("dq", {"stored": False}),
+                          ("dq", {"STORED_STAGES": 2}), ("dq", {"chunk_bytes": 16 << 30})):
+            variants.append(("bwd", {"schedule": "gluon", "gluon": {part: opt}}))
+    if args.variants and not args.gluon_only:
         for bm, w, st in ((128, 8, 3), (128, 8, 4), (64, 4, 2), (64, 4, 4), (64, 8, 3)):
             variants.append(("fwd", dict(BM=bm, num_warps=w, num_stages=st)))
         variants.append(("dkdv", dict(split=False, num_warps=4, num_stages=1)))   # 2 stages: 346 KiB of shared memory

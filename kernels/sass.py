@@ -202,6 +202,90 @@ def sagebwd_table(arch: int, variants=SAGEBWD_VARIANTS) -> list[dict]:
     return rows
 
 
+GLUON_SAGEBWD_LAUNCHES = ("dv", "dk", "dk_store", "dq", "dq_stored")
+
+
+def compile_gluon_sagebwd(arch: int, launch: str, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
+                          config: dict | None = None):
+    """A launch of the Gluon ``sagebwd`` backward (:mod:`.gluon_sagebwd`) compiled for ``sm_<arch>``
+    as :func:`.gluon_sagebwd.gluon_backward` compiles it for contiguous (B, S, H, D) = ``shape``
+    self-attention inputs, no GPU needed: ``launch`` "dv", "dk", "dk_store" (the dK launch storing
+    dS), "dq" (recomputing) or "dq_stored"; ``config``: its options over the module's defaults."""
+    import torch  # noqa: PLC0415
+    import triton  # noqa: PLC0415
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: PLC0415
+    from triton.runtime.jit import mangle_type  # noqa: PLC0415
+
+    from . import gluon_sagebwd as G  # noqa: PLC0415
+    from .gluon_fwd import tma_descriptor  # noqa: PLC0415
+
+    if launch not in GLUON_SAGEBWD_LAUNCHES:
+        raise ValueError(f"unknown Gluon sagebwd launch {launch!r} (one of {', '.join(GLUON_SAGEBWD_LAUNCHES)})")
+    _check_gluon()
+    _, S, H, D = shape
+    Sp = -(-S // 128) * 128
+
+    def i8(rows, cols, box):
+        return (mangle_type(G._int8_descriptor(torch.empty(rows, cols, dtype=torch.int8), box)), False)
+
+    def bf16(rows):
+        return (mangle_type(tma_descriptor(torch.empty(1, 256, 1, D, dtype=torch.bfloat16), rows)), False)
+
+    out = {"sob": S * H * D, "sos": H * D, "soh": D}
+    ints = dict(out, H=H, Sq=S, Skv=S, Sqp=Sp, Skp=Sp, BH0=0)
+    ds = i8(4 * Sp, Sp, (G.QUERIES_PER_CTA, G.KEY_STEP))
+    if launch.startswith("dv") or launch.startswith("dk"):
+        part = 1 if launch == "dv" else 2
+        cfg = dict(G.DV_CONFIG if part == 1 else G.DK_CONFIG) | dict(config or {})
+        fn = G.gluon_kv_kernel
+        typed = {"k_desc": i8(H * Sp, D, (G.KEYS_PER_CTA, D)), "v_desc": bf16(G.KEYS_PER_CTA),
+                 "q_desc": i8(H * Sp, D, (G.QUERY_STEP, D)),
+                 "b_desc": i8(H * D, Sp, (D, G.QUERY_STEP)) if part == 1 else bf16(G.QUERY_STEP),
+                 "c_desc": i8(H * D, Sp, (D, G.QUERY_STEP)), "OUT": ("*bf16", True),
+                 "ds_desc": ds if launch == "dk_store" else i8(H * Sp, D, (G.QUERY_STEP, D)),
+                 "qk": ("fp32", False), "out_scale": ("fp32", False)}
+        typed |= {n: ("*fp32", True) for n in ("SQ", "SK", "SDO", "LSE2", "DELTA", "RS", "SDS")}
+        consts = dict(D=D, STAGES=cfg["STAGES"], PART=part, STORE=launch == "dk_store",
+                      CONSUMER_REGS=cfg["CONSUMER_REGS"], LOADER_REGS=cfg["LOADER_REGS"])
+        num_warps, maxnreg = 4, cfg["MAXNREG"]
+    elif launch == "dq":
+        cfg = dict(G.DQ_CONFIG) | dict(config or {})
+        fn = G.gluon_dq_kernel
+        typed = {"q_desc": i8(H * Sp, D, (G.QUERIES_PER_CTA, D)), "do_desc": bf16(G.QUERIES_PER_CTA),
+                 "k_desc": i8(H * Sp, D, (G.KEY_STEP, D)), "v_desc": bf16(G.KEY_STEP),
+                 "kt_desc": i8(H * D, Sp, (D, G.KEY_STEP)), "DQ": ("*bf16", True),
+                 "qk": ("fp32", False), "sm_scale": ("fp32", False)}
+        typed |= {n: ("*fp32", True) for n in ("SQ", "SK", "KMEAN", "LSE2", "DELTA")}
+        consts = dict(D=D, STAGES=cfg["STAGES"], CORRECTION=True, LOADER_REGS=cfg["LOADER_REGS"])
+        num_warps, maxnreg = 8, cfg["MAXNREG"]
+    else:
+        cfg = dict(G.DQ_CONFIG) | dict(config or {})
+        fn = G.gluon_dqs_kernel
+        typed = {"ds_desc": ds, "kt_desc": i8(H * D, Sp, (D, G.KEY_STEP)), "DQ": ("*bf16", True),
+                 "sm_scale": ("fp32", False)}
+        typed |= {n: ("*fp32", True) for n in ("SDS", "SK", "RS", "KMEAN")}
+        consts = dict(D=D, STAGES=cfg["STORED_STAGES"], CORRECTION=True, CONSUMER_REGS=240, LOADER_REGS=24)
+        num_warps, maxnreg = 4, 168
+    ints = {k: v for k, v in ints.items() if k in fn.arg_names}
+    src = GluonASTSource(fn=fn, **_specialize(fn.arg_names, consts, typed, ints))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+
+
+def gluon_sagebwd_facts(kernel) -> dict:
+    """What a compiled Gluon ``sagebwd`` launch's SASS shows: shared memory, registers (the launch's
+    cap; the partitions move theirs with ``setmaxnreg``), spill instructions, INT8 (IGMMA) and BF16
+    (HGMMA) wgmma, and the waits for them. ``serialized``: a wait after every wgmma, which is what
+    ptxas emits when it serializes them (its C7514 warning, e.g. when a product issued in an earlier
+    iteration of a loop is read while a later one is in flight)."""
+    _, (ops, _, _, _), facts = _kernel_facts(kernel)
+    gmma = sum(o.startswith(("IGMMA", "HGMMA")) for o in ops)
+    waits = sum(o.startswith("WARPGROUP.DEPBAR") for o in ops)
+    return dict(shared_kib=round(kernel.metadata.shared / 1024, 1), registers=facts.get("registers"),
+                spill_instructions=facts["spill_instructions"], igmma=sum(o.startswith("IGMMA") for o in ops),
+                hgmma=sum(o.startswith("HGMMA") for o in ops), waits=waits, serialized=waits >= gmma)
+
+
 def _specialize(names, consts: dict, typed: dict, ints: dict) -> dict:
     """``signature``, ``constexprs`` and ``attrs`` of a kernel source as Triton's JIT derives them
     from a launch: ``consts`` are constexpr; ``typed`` names get their type (name → (type, marked

@@ -304,3 +304,17 @@ def test_accuracy_bench_per_tensor_rows(tmp_path, capsys):
     for r in rows:
         if r["input"] == "random":
             assert 0.99 < r["cosine"] < 1.0 and 1e-3 < r["rel_l2"] < 0.1, r
+
+
+def test_backward_schedule_choice():
+    """``schedule``: the Gluon backward where it runs (Hopper with Gluon), said loudly when asked
+    for where it cannot run; the Triton kernels otherwise (these CPU tests run them)."""
+    from attnqat.kernels import sagebwd as ks
+
+    v = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
+    assert ks.choose_backward_schedule(v, v, "triton") == "triton"
+    assert ks.choose_backward_schedule(v, v, None) == "triton"   # CPU tensors: no Gluon
+    with pytest.raises(RuntimeError, match="Gluon sagebwd backward cannot run: v must be a 4-D bfloat16 CUDA"):
+        ks.choose_backward_schedule(v, v, "gluon")
+    with pytest.raises(ValueError, match="schedule must be"):
+        ks.choose_backward_schedule(v, v, "cudnn")

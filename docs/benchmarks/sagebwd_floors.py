@@ -3,9 +3,10 @@
     python3 -P docs/benchmarks/sagebwd_floors.py BENCH_JSON OUT_DIR [--skip kernels,wan,train]
 
 Reads ``best`` from ``python3 -P -m attnqat.kernels.sagebwd_bench --variants --pick --json
-BENCH_JSON``, makes it the ``sagebwd`` kernels' defaults in this process (FWD_CONFIG, DKDV_CONFIG,
-DQ_CONFIG of attnqat.kernels.sagebwd) and runs, in the same process, the three rows of
-docs/benchmarks.md with cuDNN / BF16 beside sagebwd:
+BENCH_JSON``, makes it the ``sagebwd`` kernels' defaults in this process (FWD_CONFIG, AUTO_SCHEDULE,
+DKDV_CONFIG, DQ_CONFIG of attnqat.kernels.sagebwd; DV_CONFIG, DK_CONFIG, DQ_CONFIG of
+attnqat.kernels.gluon_sagebwd; ``{"best": {}}`` keeps the committed ones) and runs, in the same
+process, the three rows of docs/benchmarks.md with cuDNN / BF16 beside sagebwd:
 
     attnqat bench kernels --shapes wan1.3b-480p --methods sdpa-cudnn sagebwd
     attnqat bench wan --config 1.3b --resolutions 480p --methods bf16,sagebwd
@@ -57,10 +58,11 @@ def main(argv=None) -> int:
         print(f"{args.bench_json} has no 'best': run sagebwd_bench with --variants --pick", file=sys.stderr)
         return 2
     apply(best)
+    from attnqat.kernels import gluon_sagebwd as gs
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "best.json").write_text(json.dumps(
-        dict(best=best, fwd=ks.FWD_CONFIG, schedule=ks.AUTO_SCHEDULE, dkdv=ks.DKDV_CONFIG, dq=ks.DQ_CONFIG),
-        indent=1) + "\n")
+        dict(best=best, fwd=ks.FWD_CONFIG, schedule=ks.AUTO_SCHEDULE, dkdv=ks.DKDV_CONFIG, dq=ks.DQ_CONFIG,
+             gluon=dict(dv=gs.DV_CONFIG, dk=gs.DK_CONFIG, dq=gs.DQ_CONFIG)), indent=1) + "\n")
     print(f"sagebwd defaults now: fwd {ks.FWD_CONFIG}  backward schedule {ks.AUTO_SCHEDULE}  dkdv {ks.DKDV_CONFIG}  "
           f"dq {ks.DQ_CONFIG}", flush=True)
     status = 0
