@@ -465,10 +465,11 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
 
     ``config``: ``{"schedule": ..., "gluon": {...}, "dkdv": {...}, "dq": {...}}``. ``schedule``:
     ``"gluon"`` the hand-scheduled Hopper launches of :mod:`.gluon_sagebwd` (``gluon``: their
-    ``{"dv", "dk", "dq"}`` options), ``"triton"`` the Triton kernels below, or None: Gluon where
-    it takes the operands (:func:`choose_backward_schedule`). ``dkdv``, ``dq``: the Triton launches'
-    options over :data:`DKDV_CONFIG` and :data:`DQ_CONFIG`. dK/dV: ``split`` (a dV launch and a dK launch, each recomputing S, instead of
-    one launch with both accumulators), ``dv``/``dk`` (options of one launch of a split). dQ:
+    ``{"dv", "dk", "dq"}`` options), ``"triton"`` the Triton kernels below, or None: the schedule
+    whose options are given, else Gluon where it takes the operands (:func:`choose_backward_schedule`);
+    options of the schedule that does not run are an error, not ignored. ``dkdv``, ``dq``: the
+    Triton launches' options over :data:`DKDV_CONFIG` and :data:`DQ_CONFIG`. dK/dV: ``split`` (a dV
+    launch and a dK launch, each recomputing S, instead of one launch with both accumulators), ``dv``/``dk`` (options of one launch of a split). dQ:
     ``stored`` — the dK launch also writes dS's INT8 codes, block scales and row sums (per chunk of
     (batch, head) pairs, at most :data:`DS_CHUNK_BYTES` of codes or one pair's when that is more:
     5.7 GB at 75,600 tokens), and dQ is their product with K,
@@ -477,10 +478,20 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
     Sqp, Skp = _padded(Sq), _padded(Skv)
-    _, do8t, sdo, delta = quantize(do, 128, normal=False, transposed=True, o32=o32)
     config = dict(config or {})
+    schedule, has_gluon = config.pop("schedule", None), "gluon" in config
     gluon_cfg = config.pop("gluon", None)
-    if choose_backward_schedule(v, do, config.pop("schedule", None)) == "gluon":
+    if schedule is None and (has_gluon or config):   # the options say which
+        if has_gluon and config:
+            raise ValueError(f"config has options of both backward schedules (gluon; {', '.join(config)}): "
+                             "say which runs with 'schedule'")
+        schedule = "gluon" if has_gluon else "triton"
+    schedule = choose_backward_schedule(v, do, schedule)
+    if (schedule == "gluon" and config) or (schedule == "triton" and has_gluon):
+        raise ValueError(f"the {schedule} backward runs, but config has options of the other one "
+                         f"({'gluon' if has_gluon else ', '.join(config)})")
+    _, do8t, sdo, delta = quantize(do, 128, normal=False, transposed=True, o32=o32)
+    if schedule == "gluon":
         from . import gluon_sagebwd  # noqa: PLC0415
 
         dq, dk, dv = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
@@ -531,7 +542,7 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     return dq, dk, dv
 
 
-#: the backward's default schedule where Gluon runs (None: the Triton kernels everywhere)
+#: the backward's default schedule where Gluon runs ("triton": the Triton kernels everywhere)
 AUTO_SCHEDULE = "gluon"
 
 

@@ -318,3 +318,10 @@ def test_backward_schedule_choice():
         ks.choose_backward_schedule(v, v, "gluon")
     with pytest.raises(ValueError, match="schedule must be"):
         ks.choose_backward_schedule(v, v, "cudnn")
+    # options say which schedule runs; options of the one that does not run are refused, not ignored
+    with pytest.raises(RuntimeError, match="Gluon sagebwd backward cannot run"):
+        ks.backward(v, v, v, None, v, None, 0.125, config={"gluon": {"dq": {"stored": False}}})
+    with pytest.raises(ValueError, match="options of both backward schedules"):
+        ks.backward(v, v, v, None, v, None, 0.125, config={"gluon": {}, "dq": {"num_stages": 2}})
+    with pytest.raises(ValueError, match="the triton backward runs, but config has options of the other one"):
+        ks.backward(v, v, v, None, v, None, 0.125, config={"schedule": "triton", "gluon": {"dv": {"STAGES": 2}}})
