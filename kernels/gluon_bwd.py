@@ -214,16 +214,17 @@ if gluon is not None:
             _tma_load(ring_b, [b, i * BLOCK, h, 0], ready.index(stage), ring_b_smem.index(stage))
 
     @gluon.jit
-    def _ring_barriers(STAGES: gl.constexpr):
-        """Both backward kernels' mbarriers, initialized: the once-loaded tiles'; ready / empty of
-        each ring slot (both consumers release a slot). Returns (once_bar, ready, empty)."""
+    def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+        """The backward kernels' mbarriers (these and :mod:`.gluon_sagebwd`'s), initialized: the
+        once-loaded tiles'; ready / empty of each ring slot (every one of the ``CONSUMERS``
+        partitions releases a slot). Returns (once_bar, ready, empty)."""
         once_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(once_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)   # both consumers release a slot
+            mbarrier.init(empty.index(i), count=CONSUMERS)
         return once_bar, ready, empty
 
     @gluon.jit
@@ -250,7 +251,7 @@ if gluon is not None:
         pf_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HM, _HN], p_layout)
         ds_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _HM, _HN], p_layout)
 
-        kv_bar, ready, empty = _ring_barriers(STAGES)
+        kv_bar, ready, empty = _ring_barriers(STAGES, 2)   # both consumers release a slot
 
         gl.warp_specialize([
             (_consumer, (q_smem, do_smem, k_smem, v_smem, pf_smem, ds_smem, kv_bar, ready, empty,
@@ -350,7 +351,7 @@ if gluon is not None:
         do_smem = gl.allocate_shared_memory(gl.bfloat16, [2 * _HM, D], tile_layout)
         k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _KB, D], tile_layout)
         v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, _KB, D], tile_layout)
-        qdo_bar, ready, empty = _ring_barriers(STAGES)
+        qdo_bar, ready, empty = _ring_barriers(STAGES, 2)
 
         gl.warp_specialize([
             (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, qdo_bar, ready, empty, DQ, sdqb, sdqs, sdqh,

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import triton
 
+from . import gluon_bwd
 from .gluon_fwd import (
     LOG2E,
     TensorDescriptor,
@@ -72,6 +73,7 @@ HEAD_DIMS = (64, 128)
 
 
 if gluon is not None:
+    _ring_barriers = gluon_bwd._ring_barriers   # the once / ready / empty mbarriers of a backward kernel
     _MAGIC_I: gl.constexpr = gl.constexpr(0x4B400000)   # the bits of 1.5·2^23
     _MAGIC_F: gl.constexpr = gl.constexpr(12582912.0)   # 1.5·2^23
 
@@ -308,17 +310,6 @@ if gluon is not None:
                 mbarrier.expect(bar, 2 * q_desc.block_type.nbytes)
                 _tma_async_load(q_desc, [bh * Sqp + i * _QS, 0], bar, q_ring.index(stage))
                 _tma_async_load(b_desc, [bh * D, i * _QS], bar, b_ring.index(stage))
-
-    @gluon.jit
-    def _ring_barriers(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
-        once_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(once_bar, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=CONSUMERS)
-        return once_bar, ready, empty
 
     @gluon.jit
     def gluon_kv_kernel(k_desc, v_desc, q_desc, b_desc, c_desc, OUT, sob, sos, soh, SQ, SK, SDO, LSE2, DELTA,
