@@ -658,6 +658,8 @@ def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, 
     Sqp, Skp = state["q8"].shape[2], state["k8"].shape[2]
     cfgs = {name: dict(base) for name, base in (("dv", DV_CONFIG), ("dk", DK_CONFIG), ("dq", DQ_CONFIG))}
     for key, val in (config or {}).items():
+        if key not in cfgs:
+            raise ValueError(f"unknown Gluon sagebwd launch {key!r} in config (dv, dk, dq)")
         cfgs[key].update(val)
     s = state
     qk = float(scale) * LOG2E
@@ -700,7 +702,8 @@ def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, 
             gluon_dqs_kernel[(Sqp // QUERIES_PER_CTA, n)](
                 ds_desc, k8t_step, dq, dq.stride(0), dq.stride(1), dq.stride(2), sds, s["sk"], rs, s["kmean"],
                 H, Sq, Skv, Sqp, Skp, float(scale), bh0, D=D, STAGES=cfg["STORED_STAGES"],
-                CORRECTION=smoothing_correction, CONSUMER_REGS=240, LOADER_REGS=24, num_warps=4, maxnreg=168)
+                CORRECTION=smoothing_correction, CONSUMER_REGS=cfgs["dk"]["CONSUMER_REGS"],
+                LOADER_REGS=cfg["LOADER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
         return
     if "dk" in launches:
         kv(2, dk, do_desc, q8t, float(scale), cfgs["dk"])
@@ -709,7 +712,6 @@ def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, 
     cfg = cfgs["dq"]
     gluon_dq_kernel[(Sqp // QUERIES_PER_CTA, B * H)](
         q8, do_desc, _int8_descriptor(s["k8"].view(B * H * Skp, D), (KEY_STEP, D)), tma_descriptor(v, KEY_STEP),
-        k8t_step, dq, dq.stride(0), dq.stride(1),
-        dq.stride(2), s["sq"], s["sk"], s["kmean"], s["lse2"], delta, H, Sq, Skv, Sqp, Skp, qk, float(scale),
-        D=D, STAGES=cfg["STAGES"], CORRECTION=smoothing_correction, LOADER_REGS=cfg["LOADER_REGS"],
-        num_warps=8, maxnreg=cfg["MAXNREG"])
+        k8t_step, dq, dq.stride(0), dq.stride(1), dq.stride(2), s["sq"], s["sk"], s["kmean"], s["lse2"], delta,
+        H, Sq, Skv, Sqp, Skp, qk, float(scale), D=D, STAGES=cfg["STAGES"], CORRECTION=smoothing_correction,
+        LOADER_REGS=cfg["LOADER_REGS"], num_warps=8, maxnreg=cfg["MAXNREG"])
