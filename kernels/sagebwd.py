@@ -469,12 +469,12 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     whose options are given, else Gluon where it takes the operands (:func:`choose_backward_schedule`);
     options of the schedule that does not run are an error, not ignored. ``dkdv``, ``dq``: the
     Triton launches' options over :data:`DKDV_CONFIG` and :data:`DQ_CONFIG`. dK/dV: ``split`` (a dV
-    launch and a dK launch, each recomputing S, instead of one launch with both accumulators), ``dv``/``dk`` (options of one launch of a split). dQ:
-    ``stored`` — the dK launch also writes dS's INT8 codes, block scales and row sums (per chunk of
-    (batch, head) pairs, at most :data:`DS_CHUNK_BYTES` of codes or one pair's when that is more:
-    5.7 GB at 75,600 tokens), and dQ is their product with K,
-    instead of a launch that recomputes S, P, dP and dS (the same values: the same arithmetic on
-    the same operands, the row sums added in another order)."""
+    launch and a dK launch, each recomputing S, instead of one launch with both accumulators),
+    ``dv``/``dk`` (options of one launch of a split). dQ: ``stored`` — the dK launch also writes
+    dS's INT8 codes, block scales and row sums (per chunk of (batch, head) pairs, at most
+    :data:`DS_CHUNK_BYTES` of codes or one pair's when that is more: 5.7 GB at 75,600 tokens), and
+    dQ is their product with K, instead of a launch that recomputes S, P, dP and dS (the same
+    values: the same arithmetic on the same operands, the row sums added in another order)."""
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
     Sqp, Skp = _padded(Sq), _padded(Skv)

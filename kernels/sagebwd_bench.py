@@ -9,8 +9,8 @@ Gluon backward launch timed alone (:data:`LAUNCH_VARIANTS`).
 ``--variants``: the tile configurations (warps, pipeline stages, forward query tile) of each kernel,
 and dQ from stored dS codes (``dq: stored``), each checked against the default's output before it
 is timed (the backward rows time the whole backward), and the Gluon backward's launch options
-(``bwd`` rows; ``--gluon-only``: those alone, without the Triton kernels' tiles). ``--pick``: then the combinations of the
-fastest rows (the split's best dV and dK launch options with the best recomputing dQ; with the best
+(``bwd`` rows; ``--gluon-only``: those alone, without the Triton kernels' tiles). ``--pick``: then
+the combinations of the fastest rows (the split's best dV and dK launch options with the best recomputing dQ; with the best
 stored-dS dQ), each checked and timed the same way, and the fastest forward and backward overall as
 ``best`` in the JSON (``docs/benchmarks/sagebwd_floors.py`` times the floors with them). The rows
 that go into docs/benchmarks.md come from ``attnqat bench kernels``; this is how the defaults are
@@ -40,8 +40,8 @@ def _inputs(seed=0):
 
 #: a variant row counts for --pick only this close to the default's output (relative L2; the
 #: variants are bit-identical but for stored dS's row sums, added in another order, and the two
-#: schedules' dK, whose dP = dO·Vᵀ is accumulated in the other orientation: a dS code moves by one
-#: where dP − D cancels)
+#: schedules' dQ: their exponentials are compiled apart, so a dS code moves by one now and then,
+#: 2e-4 on an H200)
 PICK_TOLERANCE = 5e-3
 
 
@@ -183,7 +183,8 @@ def main(argv=None) -> int:
     if args.variants:
         # the defaults, timed as the variants are: forward; the Triton backward; the default backward
         variants += [("fwd", {}), ("dq", {}), ("bwd", {})]
-        # the Gluon launches' options (kernels/gluon_sagebwd.py): ring depths, products overlapped
+        # the Gluon launches' options (kernels/gluon_sagebwd.py): ring depths, dQ recomputing instead
+        # of from stored dS, the stored codes' chunk size
         for part, opt in (("dv", {"STAGES": 2}), ("dk", {"STAGES": 1}), ("dq", {"stored": False}),
                           ("dq", {"STORED_STAGES": 2}), ("dq", {"chunk_bytes": 16 << 30})):
             variants.append(("bwd", {"schedule": "gluon", "gluon": {part: opt}}))

@@ -221,7 +221,8 @@ def compile_gluon_sagebwd(arch: int, launch: str, *, shape: tuple[int, int, int,
     from .gluon_fwd import tma_descriptor  # noqa: PLC0415
 
     if launch not in GLUON_SAGEBWD_LAUNCHES:
-        raise ValueError(f"unknown Gluon sagebwd launch {launch!r} (one of {', '.join(GLUON_SAGEBWD_LAUNCHES)})")
+        raise ValueError(f"unknown Gluon sagebwd launch {launch!r} "
+                         f"(one of {', '.join(GLUON_SAGEBWD_LAUNCHES)})")
     _check_gluon()
     _, S, H, D = shape
     Sp = -(-S // 128) * 128
@@ -269,7 +270,8 @@ def compile_gluon_sagebwd(arch: int, launch: str, *, shape: tuple[int, int, int,
         num_warps, maxnreg = 4, 168
     ints = {k: v for k, v in ints.items() if k in fn.arg_names}
     src = GluonASTSource(fn=fn, **_specialize(fn.arg_names, consts, typed, ints))
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, maxnreg=maxnreg))
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, maxnreg=maxnreg))
 
 
 def gluon_sagebwd_facts(kernel) -> dict:
