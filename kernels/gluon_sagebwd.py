@@ -140,9 +140,20 @@ if gluon is not None:
         return lse, di, gl.load(SQ + i), gl.load(SDO + i)
 
     @gluon.jit
-    def _kv_scores(s, keys_ok, ragged, c, lse, PART: gl.constexpr):
+    def _opaque(x):
+        """``x`` (int32), copied by inline asm that the compiler cannot hoist out of a loop."""
+        return gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _kv_scores(s, keys_ok, key_lim, ragged, c, lse, s_layout: gl.constexpr, PART: gl.constexpr):
         """P of a step from the int32 scores, exp2(S·c − LSE₂), keys past Skv out (padded queries have
-        LSE₂ = +inf: P = 0). dV: transposed (keys along the rows); dK: queries along the rows."""
+        LSE₂ = +inf: P = 0). dV: transposed (keys along the rows); dK: queries along the rows, the
+        mask (the same as ``keys_ok``: key n0 + 64·WG + j < Skv ⇔ j < ``key_lim``) made here in the
+        ragged branch, not hoisted: held across the loop, its 16 flags a thread took registers that
+        the dK launches spilled for (storing dS: 109 spill instructions against 24; not: 8 against 4,
+        compiled by triton 3.6, the GPU machine's; H200: the storing launch 22.5 → 18.7 ms). Triton
+        3.9 compiles the same source with more spills (47 and 143 against 15 and 70): measure again
+        when the GPU machine's Triton moves."""
         a = _i2f(s)
         if PART == 1:
             if ragged:
@@ -150,6 +161,7 @@ if gluon is not None:
             return gl.exp2(a * c - lse[None, :])
         else:
             if ragged:
+                keys_ok = gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout)) < _opaque(key_lim)
                 a = gl.where(keys_ok[None, :], a, float("-inf"))
             return gl.exp2(a * c - lse[:, None])
 
@@ -228,7 +240,8 @@ if gluon is not None:
         k_w = k_smem.slice(WG * HK, HK)
         v_w = v_smem.slice(WG * HK, HK)
         buf = op_smem.index(WG)
-        keys_ok = (n0 + WG * HK + gl.arange(0, HK, layout=gl.SliceLayout(key_slice, s_layout))) < Skv
+        keys_ok = (n0 + WG * HK + gl.arange(0, HK, layout=gl.SliceLayout(key_slice, s_layout))) < Skv   # dV
+        key_lim = Skv - (n0 + WG * HK)   # dK: its keys j < key_lim are below Skv (:func:`_kv_scores`)
         ragged = n0 + WG * HK + HK > Skv
         zero_s = gl.zeros(s_shape, gl.int32, layout=s_layout)     # ignored (use_acc=False)
         zero_dp = gl.zeros(s_shape, gl.float32, layout=dp_layout)
@@ -259,7 +272,7 @@ if gluon is not None:
             else:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
                 dp_tok = s_tok   # unused
-            p = _kv_scores(s, keys_ok, ragged, sq * sk * qk, lse, PART)
+            p = _kv_scores(s, keys_ok, key_lim, ragged, sq * sk * qk, lse, s_layout, PART)
             scale = _kv_codes(p, dp_tok, kv_bar, buf, i, di, sq, sdo, ds_desc, ds_out, ds_row0, ds_col, RS, SDS,
                               n_kb, s_layout, acc_row, PART, STORE)
             prod_tok = _kv_issue_prod(buf, b_ring, c_ring, stage, zero_prod, PART)
