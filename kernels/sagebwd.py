@@ -15,8 +15,10 @@ computes the same quantities with the same tiles:
   (one program per 128 queries, looping over 64-key tiles): S recomputed bit for bit, dP = dO·Vᵀ in
   16 bits, dS = P ∘ (dP − D); dV = Pᵀ·dO, dK = dSᵀ·Q, dQ = dS·K in int8 → int32.
 
-On Hopper :func:`backward` runs the Gluon launches of :mod:`.gluon_sagebwd` instead (the same
-quantities; :func:`choose_backward_schedule`), with dQ from the dS codes the dK launch stores.
+On Hopper :func:`forward` runs the Gluon launch of :mod:`.gluon_sagebwd_fwd` instead (the same
+operations on the same codes: bit for bit on an H200; :func:`choose_forward_schedule`) and
+:func:`backward` those of :mod:`.gluon_sagebwd` (the same quantities; :func:`choose_backward_schedule`),
+with dQ from the dS codes the dK launch stores.
 
 Exact against the reference: the codes and scales of Q, K (smoothed), V and dO, and t = S·scale·log2e
 (the debug output ``store_t``). Everything after an exp2 agrees to rounding (exp2 on the GPU is not
@@ -211,26 +213,91 @@ class Saved(tuple):
 def forward(q, k, v, scale: float, *, training: bool, store_t: bool = False, config=None):
     """Quantize and run the forward on (B, S, H, D) inputs. Returns ``(o, state)``: o is float32 when
     ``training`` (the high-precision O the backward's D uses), else q's dtype; ``state`` holds the
-    INT8 operands and statistics (and ``t`` with ``store_t``: (B, H, Sqp, Skp), tests only)."""
+    INT8 operands and statistics (and ``t`` with ``store_t``: (B, H, Sqp, Skp), tests only).
+
+    ``config``: ``{"schedule": ..., "gluon": {...}}`` or the Triton kernel's options over
+    :data:`FWD_CONFIG` (BM, num_warps, num_stages). ``schedule``: ``"gluon"`` the hand-scheduled
+    Hopper launch of :mod:`.gluon_sagebwd_fwd` (``gluon``: its options), ``"triton"`` the kernel
+    above, or None: the schedule whose options are given, else Gluon where it runs and ``store_t`` is
+    not asked for (a debug output of the Triton kernel only; :func:`choose_forward_schedule`)."""
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
     Sqp, Skp = _padded(Sq), _padded(Skv)
+    schedule, gluon_cfg, cfg = _options(config, lambda s: choose_forward_schedule(q, s, store_t), "forward")
     kmean = _ref.key_mean(k).contiguous()
     q8, q8t, sq, _ = quantize(q, 128, transposed=training)
     k8, k8t, sk, _ = quantize(k, 128, mean=kmean, transposed=training)
     _, v8t, sv, _ = quantize(v, 128, normal=False, transposed=True)
     o = torch.empty(B, Sq, H, D, device=q.device, dtype=torch.float32 if training else q.dtype)
-    lse2 = torch.empty(B, H, Sqp, device=q.device, dtype=torch.float32) if training else sq
-    t = torch.empty(B, H, Sqp, Skp, device=q.device, dtype=torch.float32) if store_t else sq
-    cfg = dict(FWD_CONFIG)
-    cfg.update(config or {})
-    BM = cfg.pop("BM")
-    _fwd_kernel[(Sqp // BM, B * H)](
-        q8, sq, k8, sk, v8t, sv, o, lse2, t, *o.stride(), H, Sq, Skv, Sqp, Skp, float(scale) * LOG2E,
-        D=D, BM=BM, BN=128, STORE_LSE=training, STORE_T=store_t, **cfg)
+    lse2 = torch.empty(B, H, Sqp, device=q.device, dtype=torch.float32) if training else None
+    if schedule == "gluon":
+        from .gluon_sagebwd_fwd import gluon_forward  # noqa: PLC0415
+
+        gluon_forward(q8, sq, k8, sk, v8t, sv, o, lse2, Skv=Skv, qk=float(scale) * LOG2E, config=gluon_cfg)
+        t = None
+    else:
+        t = torch.empty(B, H, Sqp, Skp, device=q.device, dtype=torch.float32) if store_t else sq
+        cfg = dict(FWD_CONFIG, **cfg)
+        BM = cfg.pop("BM")
+        _fwd_kernel[(Sqp // BM, B * H)](
+            q8, sq, k8, sk, v8t, sv, o, lse2 if training else sq, t, *o.stride(), H, Sq, Skv, Sqp, Skp,
+            float(scale) * LOG2E, D=D, BM=BM, BN=128, STORE_LSE=training, STORE_T=store_t, **cfg)
     state = dict(q8=q8, q8t=q8t, sq=sq, k8=k8, k8t=k8t, sk=sk, v8t=v8t, sv=sv, kmean=kmean,
-                 lse2=lse2 if training else None, t=t if store_t else None)
+                 lse2=lse2, t=t if store_t else None)
     return o, state
+
+
+#: the default schedules where Gluon runs ("triton": the Triton kernels everywhere)
+AUTO_FORWARD_SCHEDULE = "gluon"
+AUTO_SCHEDULE = "gluon"
+
+
+def _options(config, choose, what: str):
+    """``(schedule, Gluon options, Triton options)`` of a forward's or backward's ``config``: the
+    ``schedule`` given, else the one whose options are given, else ``choose(None)``; options of the
+    schedule that does not run are an error, not ignored."""
+    config = dict(config or {})
+    schedule, has_gluon = config.pop("schedule", None), "gluon" in config
+    gluon_cfg = config.pop("gluon", None)
+    if schedule is None and (has_gluon or config):   # the options say which
+        if has_gluon and config:
+            raise ValueError(f"config has options of both {what} schedules (gluon; {', '.join(config)}): "
+                             "say which runs with 'schedule'")
+        schedule = "gluon" if has_gluon else "triton"
+    schedule = choose(schedule)
+    if (schedule == "gluon" and config) or (schedule == "triton" and has_gluon):
+        raise ValueError(f"the {schedule} {what} runs, but config has options of the other one "
+                         f"({'gluon' if has_gluon else ', '.join(config)})")
+    return schedule, gluon_cfg, config
+
+
+def _choose(schedule: str | None, auto: str, why_not, what: str) -> str:
+    """``"gluon"`` or ``"triton"``: ``schedule`` when given (``"gluon"`` raises where it cannot run,
+    saying why), else ``auto`` where ``why_not()`` finds nothing against Gluon, else ``"triton"``."""
+    if schedule not in (None, "gluon", "triton"):
+        raise ValueError(f"schedule must be 'gluon', 'triton' or None, got {schedule!r}")
+    if schedule == "triton" or (schedule is None and auto != "gluon"):
+        return "triton"
+    why = why_not()
+    if why is None:
+        return "gluon"
+    if schedule == "gluon":
+        raise RuntimeError(f"the Gluon sagebwd {what} cannot run: {why}")
+    return "triton"
+
+
+def choose_forward_schedule(q, schedule: str | None, store_t: bool = False) -> str:
+    """The forward's schedule (:func:`_choose`, :data:`AUTO_FORWARD_SCHEDULE`): Gluon where
+    :func:`.gluon_sagebwd_fwd.gluon_forward_unsupported` finds nothing against it and ``store_t``
+    (the Triton kernel's debug output) is not asked for."""
+    def why_not():
+        if store_t:
+            return "store_t is a debug output of the Triton forward"
+        from .gluon_sagebwd_fwd import gluon_forward_unsupported  # noqa: PLC0415
+
+        return gluon_forward_unsupported(q)
+
+    return _choose(schedule, AUTO_FORWARD_SCHEDULE, why_not, "forward")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -478,18 +545,7 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     B, Sq, H, D = q.shape
     Skv = k.shape[1]
     Sqp, Skp = _padded(Sq), _padded(Skv)
-    config = dict(config or {})
-    schedule, has_gluon = config.pop("schedule", None), "gluon" in config
-    gluon_cfg = config.pop("gluon", None)
-    if schedule is None and (has_gluon or config):   # the options say which
-        if has_gluon and config:
-            raise ValueError(f"config has options of both backward schedules (gluon; {', '.join(config)}): "
-                             "say which runs with 'schedule'")
-        schedule = "gluon" if has_gluon else "triton"
-    schedule = choose_backward_schedule(v, do, schedule)
-    if (schedule == "gluon" and config) or (schedule == "triton" and has_gluon):
-        raise ValueError(f"the {schedule} backward runs, but config has options of the other one "
-                         f"({'gluon' if has_gluon else ', '.join(config)})")
+    schedule, gluon_cfg, config = _options(config, lambda s: choose_backward_schedule(v, do, s), "backward")
     _, do8t, sdo, delta = quantize(do, 128, normal=False, transposed=True, o32=o32)
     if schedule == "gluon":
         from . import gluon_sagebwd  # noqa: PLC0415
@@ -542,26 +598,15 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     return dq, dk, dv
 
 
-#: the backward's default schedule where Gluon runs ("triton": the Triton kernels everywhere)
-AUTO_SCHEDULE = "gluon"
-
-
 def choose_backward_schedule(v, do, schedule: str | None) -> str:
-    """``"gluon"`` or ``"triton"``: ``schedule`` when given (``"gluon"`` raises where it cannot run,
-    saying why), else :data:`AUTO_SCHEDULE` where :func:`.gluon_sagebwd.gluon_sagebwd_unsupported`
-    finds nothing against it, else ``"triton"``."""
-    if schedule not in (None, "gluon", "triton"):
-        raise ValueError(f"schedule must be 'gluon', 'triton' or None, got {schedule!r}")
-    if schedule == "triton" or (schedule is None and AUTO_SCHEDULE != "gluon"):
-        return "triton"
-    from .gluon_sagebwd import gluon_sagebwd_unsupported  # noqa: PLC0415
+    """The backward's schedule (:func:`_choose`, :data:`AUTO_SCHEDULE`): Gluon where
+    :func:`.gluon_sagebwd.gluon_sagebwd_unsupported` finds nothing against it."""
+    def why_not():
+        from .gluon_sagebwd import gluon_sagebwd_unsupported  # noqa: PLC0415
 
-    why = gluon_sagebwd_unsupported(v, do)
-    if why is None:
-        return "gluon"
-    if schedule == "gluon":
-        raise RuntimeError(f"the Gluon sagebwd backward cannot run: {why}")
-    return "triton"
+        return gluon_sagebwd_unsupported(v, do)
+
+    return _choose(schedule, AUTO_SCHEDULE, why_not, "backward")
 
 
 class SageBwdAttention(torch.autograd.Function):
@@ -608,9 +653,9 @@ def sagebwd_unsupported(q, k, v) -> str | None:
 
 
 def sagebwd_attention(q, k, v, softmax_scale: float | None = None, *, config: dict | None = None):
-    """``sagebwd`` attention on the Triton kernels: (B, S, H, D) bfloat16/float16 in, the same out,
-    differentiable. ``config``: tile overrides ``{"fwd": {...}, "dkdv": {...}, "dq": {...}}``
-    (num_warps, num_stages; the block sizes are part of the definition)."""
+    """``sagebwd`` attention on the Triton or Gluon kernels: (B, S, H, D) bfloat16/float16 in, the same out,
+    differentiable. ``config``: ``{"fwd": {...}, ...}``, the forward's config (:func:`forward`) and
+    the backward's keys (:func:`backward`); the block sizes are part of the definition."""
     why = sagebwd_unsupported(q, k, v)
     if why is not None:
         raise ValueError(f"attnqat.kernels.sagebwd_attention: {why}")

@@ -6,7 +6,8 @@ Times, at the Wan 2.1 1.3B 480p shape (B=1, H=12, S=32,760, D=128; random BF16 i
 forward and forward+backward, then sagebwd's (quantization included), each twice (the spread is
 the noise), and prints the ratios. ``--profile``: CUDA time per kernel (torch.profiler), and each
 Gluon backward launch timed alone (:data:`LAUNCH_VARIANTS`).
-``--variants``: the tile configurations (warps, pipeline stages, forward query tile) of each kernel,
+``--variants``: the forward's two schedules, the tile configurations (warps, pipeline stages,
+forward query tile) of each kernel,
 and dQ from stored dS codes (``dq: stored``), each checked against the default's output before it
 is timed (the backward rows time the whole backward), and the Gluon backward's launch options
 (``bwd`` rows; ``--gluon-only``: those alone, without the Triton kernels' tiles). ``--pick``: then
@@ -183,6 +184,9 @@ def main(argv=None) -> int:
     if args.variants:
         # the defaults, timed as the variants are: forward; the Triton backward; the default backward
         variants += [("fwd", {}), ("dq", {}), ("bwd", {})]
+        # the forward's schedules (kernels/gluon_sagebwd_fwd.py): the Triton kernel; Gluon ring depths
+        variants += [("fwd", {"schedule": "triton"}), ("fwd", {"gluon": {"STAGES": 2}}),
+                     ("fwd", {"gluon": {"STAGES": 3}})]
         # the Gluon launches' options (kernels/gluon_sagebwd.py): ring depths, dQ recomputing instead
         # of from stored dS, the stored codes' chunk size
         for part, opt in (("dv", {"STAGES": 2}), ("dk", {"STAGES": 1}), ("dq", {"stored": False}),

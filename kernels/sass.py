@@ -202,15 +202,16 @@ def sagebwd_table(arch: int, variants=SAGEBWD_VARIANTS) -> list[dict]:
     return rows
 
 
-GLUON_SAGEBWD_LAUNCHES = ("dv", "dk", "dk_store", "dq", "dq_stored")
+GLUON_SAGEBWD_LAUNCHES = ("fwd", "dv", "dk", "dk_store", "dq", "dq_stored")
 
 
 def compile_gluon_sagebwd(arch: int, launch: str, *, shape: tuple[int, int, int, int] = (1, 32760, 12, 128),
                           config: dict | None = None):
-    """A launch of the Gluon ``sagebwd`` backward (:mod:`.gluon_sagebwd`) compiled for ``sm_<arch>``
-    as :func:`.gluon_sagebwd.gluon_backward` compiles it for contiguous (B, S, H, D) = ``shape``
-    self-attention inputs, no GPU needed: ``launch`` "dv", "dk", "dk_store" (the dK launch storing
-    dS), "dq" (recomputing) or "dq_stored"; ``config``: its options over the module's defaults."""
+    """A launch of the Gluon ``sagebwd`` forward (:mod:`.gluon_sagebwd_fwd`, training: LSE₂ stored)
+    or backward (:mod:`.gluon_sagebwd`) compiled for ``sm_<arch>`` as the launchers compile it for
+    contiguous (B, S, H, D) = ``shape`` self-attention inputs, no GPU needed: ``launch`` "fwd", "dv",
+    "dk", "dk_store" (the dK launch storing dS), "dq" (recomputing) or "dq_stored"; ``config``: its
+    options over the module's defaults."""
     import torch  # noqa: PLC0415
     import triton  # noqa: PLC0415
     from triton.backends.compiler import GPUTarget  # noqa: PLC0415
@@ -218,6 +219,7 @@ def compile_gluon_sagebwd(arch: int, launch: str, *, shape: tuple[int, int, int,
     from triton.runtime.jit import mangle_type  # noqa: PLC0415
 
     from . import gluon_sagebwd as G  # noqa: PLC0415
+    from . import gluon_sagebwd_fwd as GF  # noqa: PLC0415
     from .gluon_fwd import tma_descriptor  # noqa: PLC0415
 
     if launch not in GLUON_SAGEBWD_LAUNCHES:
@@ -236,7 +238,16 @@ def compile_gluon_sagebwd(arch: int, launch: str, *, shape: tuple[int, int, int,
     out = {"sob": S * H * D, "sos": H * D, "soh": D}
     ints = dict(out, H=H, Sq=S, Skv=S, Sqp=Sp, Skp=Sp, BH0=0)
     ds = i8(4 * Sp, Sp, (G.QUERIES_PER_CTA, G.KEY_STEP))
-    if launch.startswith("dv") or launch.startswith("dk"):
+    if launch == "fwd":
+        cfg = dict(GF.CONFIG) | dict(config or {})
+        fn = GF.gluon_sagebwd_fwd_kernel
+        typed = {"q_desc": i8(H * Sp, D, (128, D)), "k_desc": i8(H * Sp, D, (128, D)),
+                 "v_desc": i8(H * D, Sp, (D, 128)), "O": ("*fp32", True), "qk": ("fp32", False)}
+        typed |= {n: ("*fp32", True) for n in ("LSE2", "SQ", "SK", "SV")}
+        consts = dict(D=D, STAGES=cfg["STAGES"], STORE_LSE=True, CONSUMER_REGS=cfg["CONSUMER_REGS"],
+                      LOADER_REGS=cfg["LOADER_REGS"])
+        num_warps, maxnreg = 4, cfg["MAXNREG"]
+    elif launch.startswith("dv") or launch.startswith("dk"):
         part = 1 if launch == "dv" else 2
         cfg = dict(G.DV_CONFIG if part == 1 else G.DK_CONFIG) | dict(config or {})
         fn = G.gluon_kv_kernel

@@ -79,25 +79,26 @@ def test_sagebwd_backward_resources_for_hopper():
 @pytest.mark.subprocess
 @pytest.mark.slow
 def test_gluon_sagebwd_launches_for_hopper():
-    """The Gluon sagebwd backward's default launches (kernels/gluon_sagebwd.py) compiled for sm_90
-    without a GPU (a child process without the interpreter): each fits the 227 KiB of shared memory
-    a block may use, keeps its INT8 and BF16 wgmma asynchronous (no wait after every one: ptxas
-    serializes them when a product of an earlier loop iteration is read while a later one runs),
-    and the dV and stored-dS dQ launches have no spills."""
+    """The Gluon sagebwd forward's and backward's default launches (kernels/gluon_sagebwd_fwd.py,
+    kernels/gluon_sagebwd.py) compiled for sm_90 without a GPU (a child process without the
+    interpreter): each fits the 227 KiB of shared memory a block may use, keeps its INT8 and BF16
+    wgmma asynchronous (no wait after every one: ptxas serializes them when a product of an earlier
+    loop iteration is read while a later one runs), and the forward, dV and stored-dS dQ launches
+    have no spills."""
     import json
     import subprocess
     import sys
 
     code = ("import json; from attnqat.kernels import sass; print(json.dumps({l: sass.gluon_sagebwd_facts("
-            "sass.compile_gluon_sagebwd(90, l)) for l in ('dv', 'dk_store', 'dq_stored')}))")
+            "sass.compile_gluon_sagebwd(90, l)) for l in ('fwd', 'dv', 'dk_store', 'dq_stored')}))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     facts = json.loads(res.stdout.strip().splitlines()[-1])
     for launch, f in facts.items():
         assert f["shared_kib"] <= 227 and not f["serialized"] and f["igmma"] > 0, (launch, f)
-    assert facts["dv"]["spill_instructions"] == facts["dq_stored"]["spill_instructions"] == 0
-    assert facts["dk_store"]["hgmma"] > 0 and facts["dv"]["hgmma"] == 0   # dP in BF16, the rest INT8
+    assert all(facts[launch]["spill_instructions"] == 0 for launch in ("fwd", "dv", "dq_stored"))
+    assert facts["dk_store"]["hgmma"] > 0 and facts["dv"]["hgmma"] == facts["fwd"]["hgmma"] == 0   # dP in BF16
     with pytest.raises(ValueError, match="unknown Gluon sagebwd launch"):
         sass.compile_gluon_sagebwd(90, "dx")
 

@@ -325,3 +325,21 @@ def test_backward_schedule_choice():
         ks.backward(v, v, v, None, v, None, 0.125, config={"gluon": {}, "dq": {"num_stages": 2}})
     with pytest.raises(ValueError, match="the triton backward runs, but config has options of the other one"):
         ks.backward(v, v, v, None, v, None, 0.125, config={"schedule": "triton", "gluon": {"dv": {"STAGES": 2}}})
+
+
+def test_forward_schedule_choice():
+    """The forward's schedule as the backward's: Gluon where it runs, the Triton kernel otherwise and
+    for ``store_t`` (its debug output); options say which runs, and options of the other are an error."""
+    from attnqat.kernels import sagebwd as ks
+
+    q = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
+    assert ks.choose_forward_schedule(q, None) == "triton"   # CPU tensors: no Gluon
+    assert ks.choose_forward_schedule(q, "triton", store_t=True) == "triton"
+    with pytest.raises(RuntimeError, match="Gluon sagebwd forward cannot run: store_t is a debug output"):
+        ks.choose_forward_schedule(q, "gluon", store_t=True)
+    with pytest.raises(RuntimeError, match="Gluon sagebwd forward cannot run: q must be a 4-D CUDA tensor"):
+        ks.forward(q, q, q, 0.125, training=False, config={"gluon": {"STAGES": 2}})
+    with pytest.raises(ValueError, match="options of both forward schedules"):
+        ks.forward(q, q, q, 0.125, training=False, config={"gluon": {}, "num_warps": 4})
+    with pytest.raises(ValueError, match="the triton forward runs, but config has options of the other one"):
+        ks.forward(q, q, q, 0.125, training=False, config={"schedule": "triton", "gluon": {"STAGES": 2}})

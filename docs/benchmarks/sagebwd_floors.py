@@ -3,9 +3,9 @@
     python3 -P docs/benchmarks/sagebwd_floors.py BENCH_JSON OUT_DIR [--skip kernels,wan,train]
 
 Reads ``best`` from ``python3 -P -m attnqat.kernels.sagebwd_bench --variants --pick --json
-BENCH_JSON``, makes it the ``sagebwd`` kernels' defaults in this process (FWD_CONFIG, AUTO_SCHEDULE,
-DKDV_CONFIG, DQ_CONFIG of attnqat.kernels.sagebwd; DV_CONFIG, DK_CONFIG, DQ_CONFIG of
-attnqat.kernels.gluon_sagebwd; ``{"best": {}}`` keeps the committed ones) and runs, in the same
+BENCH_JSON``, makes it the ``sagebwd`` kernels' defaults in this process (AUTO_FORWARD_SCHEDULE, FWD_CONFIG,
+AUTO_SCHEDULE, DKDV_CONFIG, DQ_CONFIG of attnqat.kernels.sagebwd; CONFIG of
+attnqat.kernels.gluon_sagebwd_fwd; DV_CONFIG, DK_CONFIG, DQ_CONFIG of attnqat.kernels.gluon_sagebwd; ``{"best": {}}`` keeps the committed ones) and runs, in the same
 process, the three rows of docs/benchmarks.md with cuDNN / BF16 beside sagebwd:
 
     attnqat bench kernels --shapes wan1.3b-480p --methods sdpa-cudnn sagebwd
@@ -36,10 +36,17 @@ RUNS = {
 
 def apply(best: dict) -> None:
     """Make ``best`` (a ``sagebwd_attention`` config) the kernels' defaults in this process: the
-    backward's schedule and the launch options of either schedule."""
+    forward's and the backward's schedules and the launch options of either schedule."""
     from attnqat.kernels import gluon_sagebwd as gs
+    from attnqat.kernels import gluon_sagebwd_fwd as gf
 
-    for key, table in (("fwd", ks.FWD_CONFIG), ("dkdv", ks.DKDV_CONFIG), ("dq", ks.DQ_CONFIG)):
+    fwd = dict(best.get("fwd", {}))
+    schedule, gluon = fwd.pop("schedule", None), fwd.pop("gluon", None)
+    if schedule or gluon is not None or fwd:   # the options given say which, as in ks.forward
+        ks.AUTO_FORWARD_SCHEDULE = schedule or ("gluon" if gluon is not None else "triton")
+    gf.CONFIG.update(gluon or {})
+    ks.FWD_CONFIG.update(fwd)
+    for key, table in (("dkdv", ks.DKDV_CONFIG), ("dq", ks.DQ_CONFIG)):
         table.update(best.get(key, {}))
     if "schedule" in best:
         ks.AUTO_SCHEDULE = best["schedule"]
@@ -59,11 +66,13 @@ def main(argv=None) -> int:
         return 2
     apply(best)
     from attnqat.kernels import gluon_sagebwd as gs
+    from attnqat.kernels import gluon_sagebwd_fwd as gf
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "best.json").write_text(json.dumps(
-        dict(best=best, fwd=ks.FWD_CONFIG, schedule=ks.AUTO_SCHEDULE, dkdv=ks.DKDV_CONFIG, dq=ks.DQ_CONFIG,
+        dict(best=best, fwd_schedule=ks.AUTO_FORWARD_SCHEDULE, fwd=ks.FWD_CONFIG, gluon_fwd=gf.CONFIG,
+             schedule=ks.AUTO_SCHEDULE, dkdv=ks.DKDV_CONFIG, dq=ks.DQ_CONFIG,
              gluon=dict(dv=gs.DV_CONFIG, dk=gs.DK_CONFIG, dq=gs.DQ_CONFIG)), indent=1) + "\n")
-    print(f"sagebwd defaults now: fwd {ks.FWD_CONFIG}  backward schedule {ks.AUTO_SCHEDULE}  dkdv {ks.DKDV_CONFIG}  "
+    print(f"sagebwd defaults now: fwd {ks.AUTO_FORWARD_SCHEDULE} {ks.FWD_CONFIG} {gf.CONFIG}  backward schedule {ks.AUTO_SCHEDULE}  dkdv {ks.DKDV_CONFIG}  "
           f"dq {ks.DQ_CONFIG}", flush=True)
     status = 0
     for name, argv_ in RUNS.items():
