@@ -64,9 +64,10 @@ KEY_STEP = 64          # dQ launches: keys per step (the dS code block)
 #: 64 K register file: a larger cap cannot launch — "out of resource: threads" on the H200 — while
 #: the partitions move their own counts with setmaxnreg). dQ: ``stored`` (from the dK launch's
 #: codes; its ring depth ``STORED_STAGES``, ``chunk_bytes`` over :data:`DS_CHUNK_BYTES`) or the
-#: recomputing launch (ring depth ``STAGES``). H200, Wan 1.3B 480p, 2026-11-28: dV 2 stages, dK 1,
+#: recomputing launch (ring depth ``STAGES``); dV: ``side_stream`` (:func:`gluon_backward`). H200, Wan
+#: 1.3B 480p, 2026-11-28: dV 2 stages, dK 1,
 #: stored dQ 2 or 6, recomputing dQ 2 were within 0.3 ms or slower (docs/benchmarks.md).
-DV_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
+DV_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168, side_stream=True)
 DK_CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
 DQ_CONFIG = dict(stored=True, STORED_STAGES=4, STAGES=4, LOADER_REGS=24, MAXNREG=168)
 HEAD_DIMS = (64, 128)
@@ -662,8 +663,10 @@ def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, 
     :data:`DK_CONFIG`, :data:`DQ_CONFIG`; ``"dq": {"stored": True}``: the dK launch also stores dS
     (codes, block scales, row sums; per chunk of pairs, :data:`DS_CHUNK_BYTES` or ``chunk_bytes``)
     and dQ is their product with K (:func:`gluon_dqs_kernel`) instead of a launch that recomputes
-    S, P, dP and dS. ``launches``: which of the three to run (the tuning bench times them apart;
-    a stored-dS "dq" alone reads whatever the buffers hold: for timing only)."""
+    S, P, dP and dS. ``"dv": {"side_stream": True}`` (the default): the dV launches run on a stream
+    of their own, a launch per chunk of pairs beside the chunk's dK and dQ launches (the caller's
+    stream waits for them before this returns). ``launches``: which of the three to run (the tuning
+    bench times them apart; a stored-dS "dq" alone reads whatever the buffers hold: for timing only)."""
     import torch  # noqa: PLC0415
 
     B, Sq, H, D = dq.shape
@@ -695,36 +698,55 @@ def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, 
             CONSUMER_REGS=cfg["CONSUMER_REGS"], LOADER_REGS=cfg["LOADER_REGS"], num_warps=4,
             maxnreg=cfg["MAXNREG"])
 
-    if "dv" in launches:
-        kv(1, dv, do8, do8, 1.0, cfgs["dv"])
-    if stored:
-        if "dk" not in launches and "dq" not in launches:
+    # ``side_stream``: the dV launches on a stream of their own, one per chunk of pairs beside that
+    # chunk's dK and dQ launches, so that each launch's last, partly filled wave of blocks is filled
+    # with the other stream's (one block an SM: none of the launches shares an SM with another)
+    side = cfgs["dv"].get("side_stream", False) and "dv" in launches and len(launches) > 1
+    main = torch.cuda.current_stream(dv.device)
+    stream = torch.cuda.Stream(dv.device) if side else main
+    if side:
+        stream.wait_stream(main)
+
+    def dv_launch(bh0, n):
+        if "dv" in launches:
+            with torch.cuda.stream(stream):
+                kv(1, dv, do8, do8, 1.0, cfgs["dv"], bh0, n)
+
+    try:
+        if not (stored and side):   # one dV launch over every pair
+            dv_launch(0, pairs)
+        if not stored:
+            if "dk" in launches:
+                kv(2, dk, do_desc, q8t, float(scale), cfgs["dk"])
+            if "dq" in launches:
+                cfg = cfgs["dq"]
+                gluon_dq_kernel[(Sqp // QUERIES_PER_CTA, B * H)](
+                    q8, do_desc, _int8_descriptor(s["k8"].view(B * H * Skp, D), (KEY_STEP, D)),
+                    tma_descriptor(v, KEY_STEP), k8t_step, dq, dq.stride(0), dq.stride(1), dq.stride(2), s["sq"],
+                    s["sk"], s["kmean"], s["lse2"], delta, H, Sq, Skv, Sqp, Skp, qk, float(scale), D=D,
+                    STAGES=cfg["STAGES"], CORRECTION=smoothing_correction, LOADER_REGS=cfg["LOADER_REGS"],
+                    num_warps=8, maxnreg=cfg["MAXNREG"])
             return
         cfg = cfgs["dq"]
         chunk = max(1, min(pairs, cfg.get("chunk_bytes", DS_CHUNK_BYTES) // (Sqp * Skp)))
+        if "dk" not in launches and "dq" not in launches:
+            return
         ds8 = torch.empty(chunk, Sqp, Skp, device=dq.device, dtype=torch.int8)
         rs = torch.empty(chunk, Skp // KEY_STEP, Sqp, device=dq.device, dtype=torch.float32)
         sds = torch.empty(chunk, Sqp // QUERY_STEP, Skp // KEY_STEP, device=dq.device, dtype=torch.float32)
         ds_desc = _int8_descriptor(ds8.view(chunk * Sqp, Skp), (QUERIES_PER_CTA, KEY_STEP))
         for bh0 in range(0, pairs, chunk):
             n = min(chunk, pairs - bh0)
+            if side:
+                dv_launch(bh0, n)
             if "dk" in launches:
                 kv(2, dk, do_desc, q8t, float(scale), cfgs["dk"], bh0, n, store=(ds_desc, rs, sds))
-            if "dq" not in launches:
-                continue
-            gluon_dqs_kernel[(Sqp // QUERIES_PER_CTA, n)](
-                ds_desc, k8t_step, dq, dq.stride(0), dq.stride(1), dq.stride(2), sds, s["sk"], rs, s["kmean"],
-                H, Sq, Skv, Sqp, Skp, float(scale), bh0, D=D, STAGES=cfg["STORED_STAGES"],
-                CORRECTION=smoothing_correction, CONSUMER_REGS=cfgs["dk"]["CONSUMER_REGS"],
-                LOADER_REGS=cfg["LOADER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
-        return
-    if "dk" in launches:
-        kv(2, dk, do_desc, q8t, float(scale), cfgs["dk"])
-    if "dq" not in launches:
-        return
-    cfg = cfgs["dq"]
-    gluon_dq_kernel[(Sqp // QUERIES_PER_CTA, B * H)](
-        q8, do_desc, _int8_descriptor(s["k8"].view(B * H * Skp, D), (KEY_STEP, D)), tma_descriptor(v, KEY_STEP),
-        k8t_step, dq, dq.stride(0), dq.stride(1), dq.stride(2), s["sq"], s["sk"], s["kmean"], s["lse2"], delta,
-        H, Sq, Skv, Sqp, Skp, qk, float(scale), D=D, STAGES=cfg["STAGES"], CORRECTION=smoothing_correction,
-        LOADER_REGS=cfg["LOADER_REGS"], num_warps=8, maxnreg=cfg["MAXNREG"])
+            if "dq" in launches:
+                gluon_dqs_kernel[(Sqp // QUERIES_PER_CTA, n)](
+                    ds_desc, k8t_step, dq, dq.stride(0), dq.stride(1), dq.stride(2), sds, s["sk"], rs, s["kmean"],
+                    H, Sq, Skv, Sqp, Skp, float(scale), bh0, D=D, STAGES=cfg["STORED_STAGES"],
+                    CORRECTION=smoothing_correction, CONSUMER_REGS=cfgs["dk"]["CONSUMER_REGS"],
+                    LOADER_REGS=cfg["LOADER_REGS"], num_warps=4, maxnreg=cfg["MAXNREG"])
+    finally:
+        if side:
+            main.wait_stream(stream)
