@@ -35,8 +35,6 @@ after the other so that one int32 tile is live at a time (10.3–11.3 ms).
 
 from __future__ import annotations
 
-import math
-
 from .gluon_fwd import (
     _BM,
     _BN,
@@ -51,47 +49,34 @@ from .gluon_fwd import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .gluon_sagebwd import HEAD_DIMS, _acc_layout, _f2i8, _i2f, _int8_descriptor, _store_codes
+from .gluon_sagebwd import HEAD_DIMS, _acc_layout, _i2f, _int8_descriptor, _store_codes
+from .sagebwd import fold_pv, p_codes
 
 #: default launch: ring depth, registers of the second consumer and of the producer warp, the
 #: launch's cap (:data:`.gluon_fwd.CONFIG`'s split: 9 warps padded to 12 × 168 registers). H200,
 #: Wan 1.3B 480p, 2026-11-28: 4 stages 9.17 ms, 3 stages 9.40, 2 stages 9.25 (docs/benchmarks.md)
 CONFIG = dict(_FWD_CONFIG, STAGES=4)
-LOG2_127 = math.log2(127.0)
 
 
 if gluon is not None:
-    _LOG2_127: gl.constexpr = gl.constexpr(LOG2_127)
-    _MAGIC_I: gl.constexpr = gl.constexpr(0x4B400000)   # the bits of 1.5·2^23
-    _MAGIC_F: gl.constexpr = gl.constexpr(12582912.0)   # 1.5·2^23
 
     @gluon.jit
     def _softmax(s, m_i, l_i, c, sv, start_n, Skv, s_layout: gl.constexpr, MASK: gl.constexpr):
         """Tile j's online softmax and P̃'s codes from its int32 scores: returns (codes, m, l, α, w =
-        s_P·s_V), the Triton kernel's arithmetic (:func:`.sagebwd._fwd_tile`). ``MASK``: the ragged
-        last tile, keys beyond Skv out (the other tiles skip the compare and select: two of the
-        dozen instructions an element)."""
+        s_P·s_V), the Triton kernel's own arithmetic (:func:`.sagebwd.p_codes`). ``MASK``: the ragged
+        last tile, keys beyond Skv out (the other tiles skip its compare and select, two instructions
+        an element)."""
         a = _i2f(s)
         if MASK:
             offs_n = start_n + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
             a = gl.where((offs_n < Skv)[None, :], a, float("-inf"))
-        tmax = gl.max(a, 1) * c           # = rowmax(a·c): x ↦ x·c is monotonic (c ≥ 0)
-        m_new = gl.maximum(m_i, tmax)
-        e = gl.exp2(a * c - (tmax - _LOG2_127)[:, None])
-        codes = _f2i8(e)
-        s_p = gl.exp2(tmax - m_new) / 127.0
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + s_p * gl.sum(e, 1)
+        codes, m_new, l_i, alpha, s_p = p_codes(a, m_i, l_i, c)
         return codes, m_new, l_i, alpha, s_p * sv
 
     @gluon.jit
     def _fold(acc, pv, alpha, w, row_o: gl.constexpr):
-        """O·α + (P̃·V)·w, the int32 product read through its bits as 1.5·2²³ + x (the Triton
-        kernel's: bits·w − 1.5·2²³·w)."""
-        alpha = gl.convert_layout(alpha, row_o)
-        w = gl.convert_layout(w, row_o)
-        bits = (pv + _MAGIC_I).to(gl.float32, bitcast=True)
-        return acc * alpha[:, None] + (bits * w[:, None] - (w * _MAGIC_F)[:, None])
+        """O·α + (P̃·V)·w (:func:`.sagebwd.fold_pv`), α and w moved to the accumulator's rows."""
+        return fold_pv(acc, pv, gl.convert_layout(alpha, row_o), gl.convert_layout(w, row_o))
 
     @gluon.jit
     def _step(j, q, k_smem, v_smem, buf, k_ready, k_empty, v_ready, v_empty, zero_s, zero_o, acc, m_i, l_i, alpha, w,

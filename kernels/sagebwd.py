@@ -143,6 +143,19 @@ def _fwd_tile(acc, l_i, m_i, q8, sq, K8, SK, V8T, SV, T, t_base, start_n, offs_m
         a = tl.where((offs_n < Skv)[None, :], a, float("-inf"))
     if STORE_T:
         tl.store(T + t_base + offs_m[:, None] * Skp + offs_n[None, :], a * c)
+    pc, m_new, l_i, alpha, s_p = p_codes(a, m_i, l_i, c)
+    vt = tl.load(V8T + offs_d[:, None] * Skp + offs_n[None, :])          # [D, BN], K-major
+    w = s_p * tl.load(SV + start_n // BN)
+    acc = fold_pv(acc, tl.dot(pc, tl.trans(vt)), alpha, w)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def p_codes(a, m_i, l_i, c):
+    """One key tile's online softmax and P̃'s codes from its integer-valued scores ``a`` (float32)
+    and their scale ``c``: returns (codes, m, l, α, s_P). Shared by this module's forward and the
+    Gluon one (:mod:`.gluon_sagebwd_fwd`: Gluon compiles this body with its own semantics), so the
+    two run the same operations in the same order."""
     tmax = tl.max(a, 1) * c                        # = rowmax(t): x ↦ x·c is monotonic
     m_new = tl.maximum(m_i, tmax)
     # e = 127·exp2(t − rowmax) with t = a·c: one FMA and one exp2 per element
@@ -151,14 +164,17 @@ def _fwd_tile(acc, l_i, m_i, q8, sq, K8, SK, V8T, SV, T, t_base, start_n, offs_m
     s_p = tl.exp2(tmax - m_new) / 127.0
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + s_p * tl.sum(e, 1)
-    vt = tl.load(V8T + offs_d[:, None] * Skp + offs_n[None, :])          # [D, BN], K-major
-    w = s_p * tl.load(SV + start_n // BN)
-    # acc·α + (P̃·V)·w, the int32 product x read through its bits as 1.5·2^23 + x: bits·w − 1.5·2^23·w
-    # saves the exact conversion's subtraction; the cancellation adds at most ~1.5·w per element (1.5 units
-    # of the integer product), about 1 % of the P̃ codes' own rounding noise (~0.29·|v code|·√128 units)
-    bits = (tl.dot(pc, tl.trans(vt)) + I2F_MAGIC).to(tl.float32, bitcast=True)
-    acc = acc * alpha[:, None] + (bits * w[:, None] - (w * RNE_MAGIC)[:, None])
-    return acc, l_i, m_new
+    return pc, m_new, l_i, alpha, s_p
+
+
+@triton.jit
+def fold_pv(acc, pv, alpha, w):
+    """acc·α + (P̃·V)·w (shared as :func:`p_codes` is), the int32 product x read through its bits as
+    1.5·2^23 + x: bits·w − 1.5·2^23·w saves the exact conversion's subtraction; the cancellation adds
+    at most ~1.5·w per element (1.5 units of the integer product), about 1 % of the P̃ codes' own
+    rounding noise (~0.29·|v code|·√128 units)."""
+    bits = (pv + I2F_MAGIC).to(tl.float32, bitcast=True)
+    return acc * alpha[:, None] + (bits * w[:, None] - (w * RNE_MAGIC)[:, None])
 
 
 @triton.jit
