@@ -1,7 +1,8 @@
 """What ran: the kernel each dispatch decision chose, noted where the decision is made.
 
 :func:`attnqat.attention.attention` opens :func:`collect` around a kernel call; the decision points
-(:func:`.gluon_fwd.choose_schedule`, :func:`.gluon_fwd_qat.choose_qat_schedule`) call :func:`note`
+(:func:`.gluon_fwd.choose_schedule`, :func:`.gluon_fwd_qat.choose_qat_schedule`,
+:func:`.sagebwd.choose_forward_schedule` and :func:`.sagebwd.choose_backward_schedule`) call :func:`note`
 with the kernel they return, which the caller then runs. Outside :func:`collect` a note costs one
 context-variable read. Paths that make no such decision (the Triton-only kernels) note nothing.
 """

@@ -37,6 +37,7 @@ from . import formats as _ref
 
 from .attention_fwd import cast, mma
 from .quantize import INTERPRET
+from .receipt import note
 
 LOG2E = 1.4426950408889634
 PAD = 128            # token axes of the INT8 copies are padded to this
@@ -289,17 +290,18 @@ def _options(config, choose, what: str):
 
 def _choose(schedule: str | None, auto: str, why_not, what: str) -> str:
     """``"gluon"`` or ``"triton"``: ``schedule`` when given (``"gluon"`` raises where it cannot run,
-    saying why), else ``auto`` where ``why_not()`` finds nothing against Gluon, else ``"triton"``."""
+    saying why), else ``auto`` where ``why_not()`` finds nothing against Gluon, else ``"triton"``;
+    noted (:func:`.receipt.note`: what the app and the generation records name as the kernel)."""
     if schedule not in (None, "gluon", "triton"):
         raise ValueError(f"schedule must be 'gluon', 'triton' or None, got {schedule!r}")
     if schedule == "triton" or (schedule is None and auto != "gluon"):
-        return "triton"
+        return note("triton")
     why = why_not()
     if why is None:
-        return "gluon"
+        return note("gluon")
     if schedule == "gluon":
         raise RuntimeError(f"the Gluon sagebwd {what} cannot run: {why}")
-    return "triton"
+    return note("triton")
 
 
 def choose_forward_schedule(q, schedule: str | None, store_t: bool = False) -> str:

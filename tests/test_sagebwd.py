@@ -332,8 +332,12 @@ def test_forward_schedule_choice():
     for ``store_t`` (its debug output); options say which runs, and options of the other are an error."""
     from attnqat.kernels import sagebwd as ks
 
+    from attnqat.kernels import receipt
+
     q = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
-    assert ks.choose_forward_schedule(q, None) == "triton"   # CPU tensors: no Gluon
+    with receipt.collect() as ran:   # the choice is noted: the app names the kernel from it
+        assert ks.choose_forward_schedule(q, None) == "triton"   # CPU tensors: no Gluon
+    assert ran == ["triton"]
     assert ks.choose_forward_schedule(q, "triton", store_t=True) == "triton"
     with pytest.raises(RuntimeError, match="Gluon sagebwd forward cannot run: store_t is a debug output"):
         ks.choose_forward_schedule(q, "gluon", store_t=True)
