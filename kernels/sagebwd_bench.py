@@ -1,11 +1,13 @@
 """Tuning bench of the ``sagebwd`` kernels against cuDNN BF16 SDPA in one process (CUDA only).
 
-    python -m attnqat.kernels.sagebwd_bench [--variants [--gluon-only] [--pick]] [--profile] [--json PATH]
+    python -m attnqat.kernels.sagebwd_bench [--variants [--gluon-only] [--pick]] [--profile] [--clocks] [--json PATH]
 
 Times, at the Wan 2.1 1.3B 480p shape (B=1, H=12, S=32,760, D=128; random BF16 inputs): cuDNN's
 forward and forward+backward, then sagebwd's (quantization included), each twice (the spread is
 the noise), and prints the ratios. ``--profile``: CUDA time per kernel (torch.profiler), and each
-Gluon backward launch timed alone (:data:`LAUNCH_VARIANTS`).
+Gluon backward launch timed alone (:data:`LAUNCH_VARIANTS`). ``--clocks``: the SM clock, board power
+and throttle reasons nvidia-smi reports while each cuDNN and sagebwd timing runs (:mod:`.clocks`;
+on an H200 both run at the power cap, at different clocks: docs/benchmarks.md).
 ``--variants``: the forward's two schedules, the tile configurations (warps, pipeline stages,
 forward query tile) of each kernel,
 and dQ from stored dS codes (``dq: stored``), each checked against the default's output before it
@@ -28,6 +30,7 @@ import time
 import torch
 
 from .bench import _bench, _kernel_times, _sdpa, fwd_flops
+from . import clocks as kc
 from . import sagebwd as ks
 
 SHAPE = dict(B=1, H=12, S=32760, D=128)
@@ -135,6 +138,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fwd", action="append", default=[], help="extra forward config as JSON")
     ap.add_argument("--dkdv", action="append", default=[], help="extra dK/dV config as JSON")
     ap.add_argument("--dq", action="append", default=[], help="extra dQ config as JSON")
+    ap.add_argument("--clocks", action="store_true", help="sample the SM clock, power and throttle "
+                    "reasons (nvidia-smi) while each cuDNN and sagebwd timing runs")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     q, k, v, do = _inputs()
@@ -157,13 +162,29 @@ def main(argv=None) -> int:
 
     rows = out["rows"]
 
+    gpu = kc.smi_id() if args.clocks else None
+
+    def timed(fn, seen):
+        """_bench(fn), with the clocks while it runs appended to ``seen`` (--clocks)."""
+        if gpu is None:
+            return _bench(fn, args.rep_ms)
+        with kc.ClockSampler(gpu) as clk:
+            ms = _bench(fn, args.rep_ms)
+        if clk.summary is None:
+            print(f"--clocks: {clk.unavailable}", flush=True)
+        seen.append(clk.summary)
+        return ms
+
     def record(name, fn, backward=True):
+        row = dict(name=name, clocks_fwd=[], clocks_fwdbwd=[])
         with torch.no_grad():
-            f = [_bench(lambda: fn(q, k, v), args.rep_ms) for _ in range(2)]
-        b = [_bench(step_of(fn), args.rep_ms) for _ in range(2)] if backward else [float("nan")] * 2
-        rows.append(dict(name=name, fwd_ms=f, fwdbwd_ms=b))
+            f = [timed(lambda: fn(q, k, v), row["clocks_fwd"]) for _ in range(2)]
+        b = [timed(step_of(fn), row["clocks_fwdbwd"]) for _ in range(2)] if backward else [float("nan")] * 2
+        rows.append(dict(row, fwd_ms=f, fwdbwd_ms=b))
         print(f"{name:44s} fwd {min(f):8.3f} ms ({f[0]:.3f}/{f[1]:.3f})  fwd+bwd {min(b):8.3f} ms "
               f"({b[0]:.3f}/{b[1]:.3f})", flush=True)
+        for key in ("clocks_fwd", "clocks_fwdbwd") if gpu is not None else ():
+            print(f"    {key[7:]:8s} " + " | ".join(kc.describe(x) for x in row[key]), flush=True)
 
     record("cudnn", cudnn)
     record("sagebwd default", sage())
@@ -258,6 +279,10 @@ def main(argv=None) -> int:
           f"fwd+bwd {min(s['fwdbwd_ms']):7.2f} ms ({3.5 * flops / min(s['fwdbwd_ms']) * 1e-9:5.0f})")
     print(f"  ratio   fwd {min(s['fwd_ms']) / min(c['fwd_ms']):.3f}x   fwd+bwd "
           f"{min(s['fwdbwd_ms']) / min(c['fwdbwd_ms']):.3f}x")
+    if gpu is not None:   # the second timing's clocks (the first includes the warm-up from idle)
+        for label, row in (("cuDNN  ", c), ("sagebwd", s)):
+            print(f"  clocks {label} fwd: {kc.describe(row['clocks_fwd'][-1])};  "
+                  f"fwd+bwd: {kc.describe(row['clocks_fwdbwd'][-1])}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)
