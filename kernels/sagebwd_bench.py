@@ -279,7 +279,9 @@ def main(argv=None) -> int:
           f"fwd+bwd {min(s['fwdbwd_ms']):7.2f} ms ({3.5 * flops / min(s['fwdbwd_ms']) * 1e-9:5.0f})")
     print(f"  ratio   fwd {min(s['fwd_ms']) / min(c['fwd_ms']):.3f}x   fwd+bwd "
           f"{min(s['fwdbwd_ms']) / min(c['fwdbwd_ms']):.3f}x")
-    if gpu is not None:   # the second timing's clocks (the first includes the warm-up from idle)
+    if gpu is not None:   # the second timings (the first one's samples also cover compilation at idle clocks)
+        print(f"  second timings: fwd {s['fwd_ms'][1] / c['fwd_ms'][1]:.3f}x   fwd+bwd "
+              f"{s['fwdbwd_ms'][1] / c['fwdbwd_ms'][1]:.3f}x, at these clocks:")
         for label, row in (("cuDNN  ", c), ("sagebwd", s)):
             print(f"  clocks {label} fwd: {kc.describe(row['clocks_fwd'][-1])};  "
                   f"fwd+bwd: {kc.describe(row['clocks_fwdbwd'][-1])}")
