@@ -8,8 +8,9 @@ three launches (docs/benchmarks.md, "The Gluon backward"):
   (INT8 K loaded once); two consumer warpgroups own 64 keys each and walk the 128-query steps, whose
   INT8 Q and dOᵀ tiles a producer warp loads through a ``STAGES``-deep ring. A step works on Sᵀ =
   K·Qᵀ (keys along the rows, so P's per-key scale over the step's queries is a row maximum), Pᵀ =
-  exp2(Sᵀ·c − LSE₂), P's codes to this warpgroup's shared tile ([64 keys, 128 queries], queries
-  contiguous: INT8 wgmma wants both operands K-major), dV += (P̃ᵀ·dO₈)·(s_P ⊗ s_dO).
+  exp2(Sᵀ·c − LSE₂), P's codes kept in registers as the A operand of dV += (P̃ᵀ·dO₈)·(s_P ⊗ s_dO)
+  (:func:`_a_operand`: dOᵀ₈'s queries are stored permuted within each 16 so that the accumulator's
+  registers are the operand's as they are; no shared tile, fence or barrier).
 * **dK launch** (``PART`` 2): the same CTA shape (also BF16 V; the ring holds INT8 Q, BF16 dO, INT8
   Qᵀ) on S = Q·Kᵀ with the queries along the rows (LSE₂ and D are then 4 registers a thread, not 32),
   dP = dO·Vᵀ in BF16, dS = P ∘ (dP − D), one code block of 128 queries × 64 keys written transposed
@@ -27,6 +28,14 @@ iteration; and a warpgroup's int32 product of [64 keys, D] is scaled into its fl
 every step (each step has its own scales), so a dK step holds the accumulator, S and dP (64
 registers a thread each at D = 128) and waits for its product at once — with the product in flight
 too, or both accumulators in one launch, it would spill.
+
+Measured on an H200 (Wan 1.3B 480p, 2026-11-28, each launch alone, two rounds in one process,
+outputs bit for bit the same; docs/benchmarks.md): P's codes in registers, dV 9.65 / 9.64 against
+10.12 / 10.11 ms through the shared tile; int32 → float32 by the conversion instruction (I2FP on
+sm_90: one ALU instruction, exact below 2^24) instead of :func:`_i2f`'s magic add (two) — for S in
+the dV and dK launches and for the dK and stored-dS dQ folds: dV 8.78 / 8.72 against 9.58 / 9.67
+ms, dK storing dS 18.15 / 18.48 against 18.81 / 18.90, dQ 5.52 / 5.80 against 6.06 / 6.29; the dV
+fold by I2FP was slower (9.19 / 9.12 ms with S by I2FP), so it keeps the magic add.
 """
 
 from __future__ import annotations
@@ -109,6 +118,18 @@ if gluon is not None:
         return _f2i8(x * inv), amax / 127.0
 
     @gluon.jit
+    def _a_operand(codes, N: gl.constexpr):
+        """INT8 ``codes`` [64, K] in an m64 wgmma accumulator's register layout, as the register A
+        operand of an INT8 wgmma with a [64, N] result, nothing moved between threads: column
+        :func:`.sagebwd.wgmma_position`⁻¹(k) read as contraction index k, so the B operand's rows
+        must be stored in that order (``quantize(permuted=True)``). Instead of a shared tile, its
+        fence and barrier."""
+        M: gl.constexpr = codes.shape[0]
+        K: gl.constexpr = codes.shape[1]
+        x = codes.reshape([M, K // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([M, K])
+        return gl.convert_layout(x, gl.DotOperandLayout(0, _acc_layout(4, N), 4))
+
+    @gluon.jit
     def _store_codes(codes, buf):
         """Codes into this partition's shared tile, visible to the wgmma that reads them next."""
         buf.store(codes)
@@ -155,7 +176,7 @@ if gluon is not None:
         compiled by triton 3.6, the GPU machine's; H200: the storing launch 22.5 → 18.7 ms). Triton
         3.9 compiles the same source with more spills (47 and 143 against 15 and 70): measure again
         when the GPU machine's Triton moves."""
-        a = _i2f(s)
+        a = s.to(gl.float32)   # I2FP, exact: the module docstring
         if PART == 1:
             if ragged:
                 a = gl.where(keys_ok[:, None], a, float("-inf"))
@@ -168,7 +189,8 @@ if gluon is not None:
 
     @gluon.jit
     def _kv_codes(p, dp_tok, kv_bar, buf, i, di, sq, sdo, ds_desc, ds_out, ds_row0, ds_col, RS, SDS, n_kb,
-                  s_layout: gl.constexpr, acc_row: gl.constexpr, PART: gl.constexpr, STORE: gl.constexpr):
+                  s_layout: gl.constexpr, acc_row: gl.constexpr, PART: gl.constexpr, STORE: gl.constexpr,
+                  D: gl.constexpr):
         """A step's codes into ``buf`` ([64 keys, 128 queries]) and the scale their product takes: dV —
         P per key over the step's queries, scale s_P·s_dO per key; dK — waits for dP, dS = P ∘ (dP −
         D), one block, scale s_dS·s_Q, stored transposed (STORE: and as they are, [queries, keys],
@@ -177,9 +199,8 @@ if gluon is not None:
         if PART == 1:
             pmax = gl.max(p, 1)
             pinv = gl.where(pmax > 0, 127.0 / gl.maximum(pmax, 1e-30), 0.0)
-            _store_codes(_f2i8(p * pinv[:, None]), buf)
             scale = gl.convert_layout((pmax / 127.0) * sdo, acc_row)
-            return scale
+            return scale, _a_operand(_f2i8(p * pinv[:, None]), D)
         else:
             mbarrier.wait(kv_bar, 0)   # long passed: a new basic block, so ptxas keeps the wait for dP here
             dp = gl.convert_layout(warpgroup_mma_wait(num_outstanding=0, deps=[dp_tok]), s_layout)
@@ -197,7 +218,7 @@ if gluon is not None:
             _store_codes(gl.permute(codes, (1, 0)), buf)   # (its fence and barrier cover ds_out too)
             if STORE:
                 _tma_async_store(ds_desc, [ds_row0 + i * _QS, ds_col], ds_out)
-            return sds * sq
+            return sds * sq, buf
 
     @gluon.jit
     def _store_sums(row_sums, sds, i, RS, SDS, n_kb, s_layout: gl.constexpr):
@@ -210,10 +231,12 @@ if gluon is not None:
 
     @gluon.jit
     def _kv_fold(acc, prod, scale, PART: gl.constexpr):
+        """The step's int32 product scaled into the accumulator: dV by the magic add, dK by I2FP (each
+        the faster on an H200: the module docstring)."""
         if PART == 1:
             return acc + _i2f(prod) * scale[:, None]
         else:
-            return acc + _i2f(prod) * scale
+            return acc + prod.to(gl.float32) * scale
 
     @gluon.jit
     def _kv_consumer(k_smem, v_smem, q_ring, b_ring, c_ring, op_smem, kv_bar, ready, empty,
@@ -274,9 +297,9 @@ if gluon is not None:
                 s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
                 dp_tok = s_tok   # unused
             p = _kv_scores(s, keys_ok, key_lim, ragged, sq * sk * qk, lse, s_layout, PART)
-            scale = _kv_codes(p, dp_tok, kv_bar, buf, i, di, sq, sdo, ds_desc, ds_out, ds_row0, ds_col, RS, SDS,
-                              n_kb, s_layout, acc_row, PART, STORE)
-            prod_tok = _kv_issue_prod(buf, b_ring, c_ring, stage, zero_prod, PART)
+            scale, a = _kv_codes(p, dp_tok, kv_bar, buf, i, di, sq, sdo, ds_desc, ds_out, ds_row0, ds_col, RS, SDS,
+                                 n_kb, s_layout, acc_row, PART, STORE, D)
+            prod_tok = _kv_issue_prod(a, b_ring, c_ring, stage, zero_prod, PART)
             # the next step's statistics, on their way while this step's product runs
             lse, di, sq, sdo = _kv_stats(gl.minimum(i + 1, n_steps - 1), LSE2, DELTA, SQ, SDO, s_layout, PART)
             prod = warpgroup_mma_wait(num_outstanding=0, deps=[prod_tok])
@@ -356,7 +379,10 @@ if gluon is not None:
             v_smem = k_smem   # unused
             b_ring = gl.allocate_shared_memory(gl.int8, [STAGES, D, _QS], cols8)
             c_ring = b_ring   # unused
-        op_smem = gl.allocate_shared_memory(gl.int8, [2, _KC // 2, _QS], op_layout)
+        if PART == 2:   # dS's codes, transposed (the dV launch's P codes stay in registers)
+            op_smem = gl.allocate_shared_memory(gl.int8, [2, _KC // 2, _QS], op_layout)
+        else:
+            op_smem = q_ring   # unused
         if STORE:
             ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_QS, _KC // 2], gl.int8)
             ds_smem = gl.allocate_shared_memory(gl.int8, [2, _QS, _KC // 2], ds_layout)
@@ -553,10 +579,10 @@ if gluon is not None:
             sc0, sc1, rs0, rs1 = _dqs_stats(j + 2, n_steps, SDS, SK, RS, Sqp, rows)
             prod = warpgroup_mma_wait(num_outstanding=1, deps=[tok0])
             mbarrier.arrive(empty.index(st0), count=1)
-            acc = acc + _i2f(prod) * scale0
+            acc = acc + prod.to(gl.float32) * scale0   # I2FP: the module docstring
             prod = warpgroup_mma_wait(num_outstanding=0, deps=[tok1])
             mbarrier.arrive(empty.index(st1), count=1)
-            acc = acc + _i2f(prod) * scale1
+            acc = acc + prod.to(gl.float32) * scale1
         if n_steps % 2 == 1:   # the last step alone
             j = n_steps - 1
             st0 = j % STAGES
@@ -567,7 +593,7 @@ if gluon is not None:
                 rs += rs0
             prod = warpgroup_mma_wait(num_outstanding=0, deps=[tok0])
             mbarrier.arrive(empty.index(st0), count=1)
-            acc = acc + _i2f(prod) * sc0
+            acc = acc + prod.to(gl.float32) * sc0
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
         if CORRECTION:
             acc = acc + rs[:, None] * gl.load(KMEAN + offs_d)[None, :]

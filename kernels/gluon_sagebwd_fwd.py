@@ -21,9 +21,13 @@ bit on an H200: tests/test_sagebwd_gpu.py):
   together, waits for both, folds P̃V_{j−1} into O and runs tile j's softmax and quantizer; the
   other warpgroup's products run on the tensor cores meanwhile. Products never stay in flight
   across iterations (ptxas serializes every wgmma otherwise, its C7514). P̃'s codes go through a
-  shared tile of the warpgroup, as in the backward's launches (:mod:`.gluon_sagebwd`: the
-  accumulator's register layout is not INT8 wgmma's A operand's). The ragged last key tile has an
+  shared tile of the warpgroup; read as the register A operand of P̃·V instead, with V₈ᵀ's keys
+  permuted as the dV launch permutes dO's queries (:func:`.gluon_sagebwd._a_operand`), the forward
+  measured slower: 9.82 against 9.25 ms (H200, 2026-11-28). The ragged last key tile has an
   iteration of its own: the others skip the mask's compare and select.
+* S's int32 → float32 by the conversion instruction (I2FP on sm_90, one ALU instruction, exact
+  below 2^24) rather than the two-instruction magic add the Triton kernel uses: bit for bit the
+  same, 9.25 / 9.32 against 9.55 / 9.63 ms (H200, Wan 1.3B 480p, 2026-11-28, two rounds).
 
 Measured on an H200 (Wan 1.3B 480p, 2026-11-28, docs/benchmarks.md "The Gluon forward"): 9.2 ms
 against the Triton kernel's 10.4 (quantization included). Slower, and removed: the two warpgroups
@@ -49,7 +53,7 @@ from .gluon_fwd import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .gluon_sagebwd import HEAD_DIMS, _acc_layout, _i2f, _int8_descriptor, _store_codes
+from .gluon_sagebwd import HEAD_DIMS, _acc_layout, _int8_descriptor, _store_codes
 from .sagebwd import fold_pv, p_codes
 
 #: default launch: ring depth, registers of the second consumer and of the producer warp, the
@@ -66,7 +70,7 @@ if gluon is not None:
         s_P·s_V), the Triton kernel's own arithmetic (:func:`.sagebwd.p_codes`). ``MASK``: the ragged
         last tile, keys beyond Skv out (the other tiles skip its compare and select, two instructions
         an element)."""
-        a = _i2f(s)
+        a = s.to(gl.float32)   # I2FP: exact (|S| < 2^24), one instruction (module docstring)
         if MASK:
             offs_n = start_n + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_layout))
             a = gl.where((offs_n < Skv)[None, :], a, float("-inf"))

@@ -219,6 +219,22 @@ def test_kernels_match_reference(shape, outliers):
         assert rel_error(got, want) < (1e-2 if DEV == "cpu" else 2e-2), name
 
 
+def test_permuted_transposed_copy_is_the_wgmma_order():
+    """``quantize(permuted=True)``: the transposed codes with token t at :func:`wgmma_position`
+    (t) of its 16 — a permutation within each 16 whose bits (t₃ t₂ t₁ t₀) go to (t₂ t₁ t₃ t₀) — and
+    nothing else changed (the Gluon launches read P's codes from registers against it)."""
+    t = torch.arange(64)
+    pos = ks.wgmma_position(t)
+    assert torch.equal(torch.sort(pos).values, t) and torch.equal(pos // 16, t // 16)
+    assert pos[:16].tolist() == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+    x = make_qkv(1, 300, 300, 2, 64, outliers=True, seed=5)[0]
+    plain, plain_t, s0, _ = ks.quantize(x, 128, transposed=True)
+    codes, perm_t, s1, _ = ks.quantize(x, 128, transposed=True, permuted=True)
+    assert torch.equal(codes, plain) and torch.equal(s0, s1) and not torch.equal(perm_t, plain_t)
+    assert torch.equal(ks.natural_order(perm_t), plain_t)
+    assert torch.equal(perm_t[..., pos[5]], plain_t[..., 5])
+
+
 def test_kernels_autograd_and_inference():
     q, k, v = make_qkv(1, 100, 150, 2, 64, seed=13)
     with torch.no_grad():
