@@ -121,9 +121,9 @@ if gluon is not None:
     def _a_operand(codes, N: gl.constexpr):
         """INT8 ``codes`` [64, K] in an m64 wgmma accumulator's register layout, as the register A
         operand of an INT8 wgmma with a [64, N] result, nothing moved between threads: column
-        :func:`.sagebwd.wgmma_position`⁻¹(k) read as contraction index k, so the B operand's rows
-        must be stored in that order (``quantize(permuted=True)``). Instead of a shared tile, its
-        fence and barrier."""
+        :func:`.sagebwd.wgmma_order` (k) read as contraction index k, so the B operand's rows must be
+        stored in that order (``quantize(permuted=True)``). Instead of a shared tile, its fence and
+        barrier."""
         M: gl.constexpr = codes.shape[0]
         K: gl.constexpr = codes.shape[1]
         x = codes.reshape([M, K // 16, 2, 2, 2, 2]).permute((0, 1, 3, 4, 2, 5)).reshape([M, K])

@@ -75,8 +75,7 @@ def _quant_kernel(X, MEAN, OUT, OUT_T, SCALE, O32, DELTA,
                   sxb, sxs, sxh, sxd, sob, sos, soh, sod,
                   H, S, Sp,
                   D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr,
-                  WRITE_N: tl.constexpr, WRITE_T: tl.constexpr, HAS_DELTA: tl.constexpr,
-                  PERM_T: tl.constexpr = False):
+                  WRITE_N: tl.constexpr, WRITE_T: tl.constexpr, HAS_DELTA: tl.constexpr):
     """Grid (Sp/BLOCK, B·H). One block of BLOCK tokens × D of X (B, S, H, D) (minus MEAN (B, H, D)):
     amax, scale amax/127, codes rne(x·(127/amax)) to OUT (B, H, Sp, D) and/or OUT_T (B, H, D, Sp).
     HAS_DELTA (X = dO): also D = rowsum(dO ∘ O32) to DELTA (B, H, Sp), padded rows 0."""
@@ -99,11 +98,7 @@ def _quant_kernel(X, MEAN, OUT, OUT_T, SCALE, O32, DELTA,
     if WRITE_N:
         tl.store(OUT + bh.to(tl.int64) * Sp * D + rows[:, None] * D + offs_d[None, :], codes)
     if WRITE_T:
-        if PERM_T:   # token r at position wgmma_position(r) of its 16 (:func:`wgmma_position`)
-            cols = (rows & ~15) | (rows & 1) | ((rows >> 2) & 2) | ((rows << 1) & 12)
-        else:
-            cols = rows
-        tl.store(OUT_T + bh.to(tl.int64) * Sp * D + offs_d[:, None] * Sp + cols[None, :], tl.trans(codes))
+        tl.store(OUT_T + bh.to(tl.int64) * Sp * D + offs_d[:, None] * Sp + rows[None, :], tl.trans(codes))
     if HAS_DELTA:
         o = tl.load(O32 + b.to(tl.int64) * sob + h.to(tl.int64) * soh + rows[:, None].to(tl.int64) * sos
                     + offs_d[None, :] * sod, mask=ok[:, None], other=0.0)
@@ -114,26 +109,21 @@ def _padded(n: int) -> int:
     return triton.cdiv(n, PAD) * PAD
 
 
-def wgmma_position(t):
-    """Where token ``t`` (an int or an integer tensor) sits on the token axis of a ``permuted``
-    transposed copy (:func:`quantize`): within each 16, bits (t₃ t₂ t₁ t₀) go to (t₂ t₁ t₃ t₀). An
-    INT8 wgmma accumulator holds, per thread, columns {2c, 2c+1, 2c+8, 2c+9} (+16) of a 32-column
-    chunk, and its register A operand holds contraction indices {4c … 4c+3} (+16): codes computed in
-    the first layout are read as the second with no data moved when the other operand's rows are in
-    this order (:func:`.gluon_sagebwd._a_operand`). The integer product is the same sum."""
-    return (t & ~15) | (t & 1) | ((t >> 2) & 2) | ((t << 1) & 12)
-
-
-def natural_order(x_t):
-    """A ``permuted`` transposed copy (…, Sp) with its tokens back in natural order."""
-    return x_t[..., wgmma_position(torch.arange(x_t.shape[-1], device=x_t.device))]
+def wgmma_order(k):
+    """The token at position ``k`` (an int or an integer tensor) of a ``permuted`` transposed copy
+    (:func:`quantize`): within each 16, position bits (k₃ k₂ k₁ k₀) hold token (k₁ k₃ k₂ k₀). An
+    INT8 wgmma accumulator holds, per thread, columns {2c, 2c+1, 2c+8, 2c+9} (+16) of each 32, and
+    its register A operand contraction indices {4c … 4c+3} (+16): codes computed in the first layout
+    are read as the second with no data moved when the other operand's rows are in this order
+    (:func:`.gluon_sagebwd._a_operand`). The integer product is the same sum."""
+    return (k & ~15) | (k & 1) | ((k >> 1) & 6) | ((k << 2) & 8)
 
 
 def quantize(x, block: int, mean=None, normal: bool = True, transposed: bool = False, o32=None,
              permuted: bool = False):
     """Per-block INT8 of a (B, S, H, D) tensor (minus ``mean`` (B, H, D)). Returns
     ``(codes (B, H, Sp, D) | None, codes_t (B, H, D, Sp) | None, scales (B, H, Sp/block), delta | None)``;
-    ``permuted``: ``codes_t``'s tokens in the order of :func:`wgmma_position`."""
+    ``permuted``: ``codes_t``'s tokens in the order of :func:`wgmma_order`."""
     B, S, H, D = x.shape
     Sp = _padded(S)
     dev = x.device
@@ -147,7 +137,9 @@ def quantize(x, block: int, mean=None, normal: bool = True, transposed: bool = F
         x, mean if mean is not None else dummy, out if normal else dummy, out_t if transposed else dummy,
         scale, o32 if o32 is not None else dummy, delta if delta is not None else dummy,
         *x.stride(), *ost, H, S, Sp, D=D, BLOCK=block, HAS_MEAN=mean is not None, WRITE_N=normal,
-        WRITE_T=transposed, HAS_DELTA=o32 is not None, PERM_T=permuted, num_warps=4, enable_fp_fusion=False)
+        WRITE_T=transposed, HAS_DELTA=o32 is not None, num_warps=4, enable_fp_fusion=False)
+    if permuted:   # a gather after the kernel: the kernel, and so D, stays the one the Triton path runs
+        out_t = out_t[..., wgmma_order(torch.arange(Sp, device=dev))]
     return out, out_t, scale, delta
 
 

@@ -220,19 +220,21 @@ def test_kernels_match_reference(shape, outliers):
 
 
 def test_permuted_transposed_copy_is_the_wgmma_order():
-    """``quantize(permuted=True)``: the transposed codes with token t at :func:`wgmma_position`
-    (t) of its 16 — a permutation within each 16 whose bits (t₃ t₂ t₁ t₀) go to (t₂ t₁ t₃ t₀) — and
-    nothing else changed (the Gluon launches read P's codes from registers against it)."""
-    t = torch.arange(64)
-    pos = ks.wgmma_position(t)
-    assert torch.equal(torch.sort(pos).values, t) and torch.equal(pos // 16, t // 16)
-    assert pos[:16].tolist() == [0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15]
+    """``quantize(permuted=True)``: the transposed codes with position k holding token
+    :func:`wgmma_order` (k) — a permutation within each 16 that reads bits (k₃ k₂ k₁ k₀) as token
+    (k₁ k₃ k₂ k₀) — and nothing else changed (the Gluon dV launch reads P's codes from registers
+    against it)."""
+    k = torch.arange(64)
+    order = ks.wgmma_order(k)
+    assert torch.equal(torch.sort(order).values, k) and torch.equal(order // 16, k // 16)
+    # a thread's accumulator columns {2c, 2c+1, 2c+8, 2c+9} are its operand's positions 4c … 4c+3
+    assert order[:16].tolist() == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
     x = make_qkv(1, 300, 300, 2, 64, outliers=True, seed=5)[0]
-    plain, plain_t, s0, _ = ks.quantize(x, 128, transposed=True)
-    codes, perm_t, s1, _ = ks.quantize(x, 128, transposed=True, permuted=True)
-    assert torch.equal(codes, plain) and torch.equal(s0, s1) and not torch.equal(perm_t, plain_t)
-    assert torch.equal(ks.natural_order(perm_t), plain_t)
-    assert torch.equal(perm_t[..., pos[5]], plain_t[..., 5])
+    o32 = make_qkv(1, 300, 300, 2, 64, seed=6)[0].float()
+    plain, plain_t, s0, d0 = ks.quantize(x, 128, transposed=True, o32=o32)
+    codes, perm_t, s1, d1 = ks.quantize(x, 128, transposed=True, o32=o32, permuted=True)
+    assert torch.equal(codes, plain) and torch.equal(s0, s1) and torch.equal(d0, d1)
+    assert not torch.equal(perm_t, plain_t) and torch.equal(perm_t, plain_t[..., ks.wgmma_order(torch.arange(384))])
 
 
 def test_kernels_autograd_and_inference():
