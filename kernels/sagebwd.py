@@ -138,8 +138,9 @@ def quantize(x, block: int, mean=None, normal: bool = True, transposed: bool = F
         scale, o32 if o32 is not None else dummy, delta if delta is not None else dummy,
         *x.stride(), *ost, H, S, Sp, D=D, BLOCK=block, HAS_MEAN=mean is not None, WRITE_N=normal,
         WRITE_T=transposed, HAS_DELTA=o32 is not None, num_warps=4, enable_fp_fusion=False)
-    if permuted:   # a gather after the kernel: the kernel, and so D, stays the one the Triton path runs
-        out_t = out_t[..., wgmma_order(torch.arange(Sp, device=dev))]
+    if permuted:   # position bits (k₃ k₂ k₁ k₀) ← token bits (k₁ k₃ k₂ k₀), :func:`wgmma_order`: a copy
+        # after the kernel, so that the kernel (and with it D's rounding) stays the Triton path's
+        out_t = out_t.view(B, H, D, Sp // 16, 2, 2, 2, 2).permute(0, 1, 2, 3, 5, 6, 4, 7).reshape(B, H, D, Sp)
     return out, out_t, scale, delta
 
 
