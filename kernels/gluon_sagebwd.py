@@ -9,8 +9,9 @@ three launches (docs/benchmarks.md, "The Gluon backward"):
   INT8 Q and dOᵀ tiles a producer warp loads through a ``STAGES``-deep ring. A step works on Sᵀ =
   K·Qᵀ (keys along the rows, so P's per-key scale over the step's queries is a row maximum), Pᵀ =
   exp2(Sᵀ·c − LSE₂), P's codes kept in registers as the A operand of dV += (P̃ᵀ·dO₈)·(s_P ⊗ s_dO)
-  (:func:`_a_operand`: dOᵀ₈'s queries are stored permuted within each 16 so that the accumulator's
-  registers are the operand's as they are; no shared tile, fence or barrier).
+  (:func:`_a_operand`: the launch reads a copy of dOᵀ₈ with its queries permuted within each 16,
+  :func:`wgmma_order`, so that the accumulator's registers are the operand's as they are; no shared
+  tile, fence or barrier).
 * **dK launch** (``PART`` 2): the same CTA shape (also BF16 V; the ring holds INT8 Q, BF16 dO, INT8
   Qᵀ) on S = Q·Kᵀ with the queries along the rows (LSE₂ and D are then 4 registers a thread, not 32),
   dP = dO·Vᵀ in BF16, dS = P ∘ (dP − D), one code block of 128 queries × 64 keys written transposed
@@ -74,9 +75,10 @@ KEY_STEP = 64          # dQ launches: keys per step (the dS code block)
 #: the partitions move their own counts with setmaxnreg). dQ: ``stored`` (from the dK launch's
 #: codes; its ring depth ``STORED_STAGES``, ``chunk_bytes`` over :data:`DS_CHUNK_BYTES`) or the
 #: recomputing launch (ring depth ``STAGES``); dV: ``side_stream`` (:func:`gluon_backward`). H200, Wan
-#: 1.3B 480p, 2026-11-28: dV 2 stages, dK 1,
-#: stored dQ 2 or 6, recomputing dQ 2 were within 0.3 ms or slower (docs/benchmarks.md).
-DV_CONFIG = dict(STAGES=3, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168, side_stream=True)
+#: 1.3B 480p, 2026-11-28: dK 1, stored dQ 2 or 6, recomputing dQ 2 were within 0.3 ms or slower;
+#: dV 2 stages, once its P codes stayed in registers, 8.60 against 8.92 ms for 3, 8.70 for 4
+#: (docs/benchmarks.md).
+DV_CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168, side_stream=True)
 DK_CONFIG = dict(STAGES=2, CONSUMER_REGS=240, LOADER_REGS=24, MAXNREG=168)
 DQ_CONFIG = dict(stored=True, STORED_STAGES=4, STAGES=4, LOADER_REGS=24, MAXNREG=168)
 HEAD_DIMS = (64, 128)
@@ -121,8 +123,8 @@ if gluon is not None:
     def _a_operand(codes, N: gl.constexpr):
         """INT8 ``codes`` [64, K] in an m64 wgmma accumulator's register layout, as the register A
         operand of an INT8 wgmma with a [64, N] result, nothing moved between threads: column
-        :func:`.sagebwd.wgmma_order` (k) read as contraction index k, so the B operand's rows must be
-        stored in that order (``quantize(permuted=True)``). Instead of a shared tile, its fence and
+        :func:`wgmma_order` (k) read as contraction index k, so the B operand's rows must be
+        stored in that order (:func:`wgmma_ordered`). Instead of a shared tile, its fence and
         barrier."""
         M: gl.constexpr = codes.shape[0]
         K: gl.constexpr = codes.shape[1]
@@ -656,6 +658,25 @@ if gluon is not None:
 # Launch
 # ----------------------------------------------------------------------------------------------
 
+def wgmma_order(k):
+    """The token at position ``k`` (an int or an integer tensor) of dOᵀ₈ as the dV launch reads it
+    (:func:`wgmma_ordered`): within each 16, position bits (k₃ k₂ k₁ k₀) hold token (k₁ k₃ k₂ k₀). An
+    INT8 wgmma accumulator holds, per thread, columns {2c, 2c+1, 2c+8, 2c+9} (+16) of each 32, and
+    its register A operand contraction indices {4c … 4c+3} (+16): P's codes, computed in the first
+    layout, are read as the second with no data moved (:func:`_a_operand`) when dO's rows are in
+    this order. The integer product is the same sum."""
+    return (k & ~15) | (k & 1) | ((k >> 1) & 6) | ((k << 2) & 8)
+
+
+def wgmma_ordered(x_t, out=None):
+    """A (B, H, D, Sp) transposed INT8 tensor with its token axis in :func:`wgmma_order`, into ``out``
+    (a new tensor when None)."""
+    B, H, D, Sp = x_t.shape
+    out = x_t.new_empty(x_t.shape) if out is None else out
+    out.view(B, H, D, Sp // 16, 2, 2, 2, 2).copy_(x_t.view(B, H, D, Sp // 16, 2, 2, 2, 2).permute(0, 1, 2, 3, 5, 6, 4, 7))
+    return out
+
+
 def _int8_descriptor(t2d, box):
     """2-D TMA descriptor of an INT8 operand seen as (rows, columns), box ``box``."""
     layout = gl.NVMMASharedLayout.get_default_for(list(box), gl.int8)
@@ -685,7 +706,8 @@ def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, 
                    config: dict | None = None, launches=LAUNCHES) -> None:
     """Writes dQ, dK, dV of :func:`.sagebwd.backward` with the Gluon launches: ``state`` is the
     forward's (INT8 Q, K in both layouts, scales, k̄, LSE₂); ``do8t``, ``sdo``, ``delta`` the dO
-    quantization's. ``config``: ``{"dv": {...}, "dk": {...}, "dq": {...}}`` over :data:`DV_CONFIG`,
+    quantization's (the dV launches read a copy of ``do8t`` in :func:`wgmma_order`, made on their
+    stream). ``config``: ``{"dv": {...}, "dk": {...}, "dq": {...}}`` over :data:`DV_CONFIG`,
     :data:`DK_CONFIG`, :data:`DQ_CONFIG`; ``"dq": {"stored": True}``: the dK launch also stores dS
     (codes, block scales, row sums; per chunk of pairs, :data:`DS_CHUNK_BYTES` or ``chunk_bytes``)
     and dQ is their product with K (:func:`gluon_dqs_kernel`) instead of a launch that recomputes
@@ -708,7 +730,8 @@ def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, 
     q8 = _int8_descriptor(s["q8"].view(B * H * Sqp, D), (QUERY_STEP, D))
     k8 = _int8_descriptor(s["k8"].view(B * H * Skp, D), (KEYS_PER_CTA, D))
     q8t = _int8_descriptor(s["q8t"].view(B * H * D, Sqp), (D, QUERY_STEP))
-    do8 = _int8_descriptor(do8t.view(B * H * D, Sqp), (D, QUERY_STEP))
+    do8p = torch.empty_like(do8t)   # dOᵀ₈ in wgmma_order for the dV launches, copied on their stream
+    do8 = _int8_descriptor(do8p.view(B * H * D, Sqp), (D, QUERY_STEP))
     k8t_step = _int8_descriptor(s["k8t"].view(B * H * D, Skp), (D, KEY_STEP))
     v_desc = tma_descriptor(v, KEYS_PER_CTA)
     do_desc = tma_descriptor(do, QUERY_STEP)
@@ -736,6 +759,8 @@ def gluon_backward(v, do, state, do8t, sdo, delta, dq, dk, dv, *, scale: float, 
     def dv_launch(bh0, n):
         if "dv" in launches:
             with torch.cuda.stream(stream):
+                if bh0 == 0:
+                    wgmma_ordered(do8t, out=do8p)
                 kv(1, dv, do8, do8, 1.0, cfgs["dv"], bh0, n)
 
     try:

@@ -109,21 +109,9 @@ def _padded(n: int) -> int:
     return triton.cdiv(n, PAD) * PAD
 
 
-def wgmma_order(k):
-    """The token at position ``k`` (an int or an integer tensor) of a ``permuted`` transposed copy
-    (:func:`quantize`): within each 16, position bits (k₃ k₂ k₁ k₀) hold token (k₁ k₃ k₂ k₀). An
-    INT8 wgmma accumulator holds, per thread, columns {2c, 2c+1, 2c+8, 2c+9} (+16) of each 32, and
-    its register A operand contraction indices {4c … 4c+3} (+16): codes computed in the first layout
-    are read as the second with no data moved when the other operand's rows are in this order
-    (:func:`.gluon_sagebwd._a_operand`). The integer product is the same sum."""
-    return (k & ~15) | (k & 1) | ((k >> 1) & 6) | ((k << 2) & 8)
-
-
-def quantize(x, block: int, mean=None, normal: bool = True, transposed: bool = False, o32=None,
-             permuted: bool = False):
+def quantize(x, block: int, mean=None, normal: bool = True, transposed: bool = False, o32=None):
     """Per-block INT8 of a (B, S, H, D) tensor (minus ``mean`` (B, H, D)). Returns
-    ``(codes (B, H, Sp, D) | None, codes_t (B, H, D, Sp) | None, scales (B, H, Sp/block), delta | None)``;
-    ``permuted``: ``codes_t``'s tokens in the order of :func:`wgmma_order`."""
+    ``(codes (B, H, Sp, D) | None, codes_t (B, H, D, Sp) | None, scales (B, H, Sp/block), delta | None)``."""
     B, S, H, D = x.shape
     Sp = _padded(S)
     dev = x.device
@@ -138,9 +126,6 @@ def quantize(x, block: int, mean=None, normal: bool = True, transposed: bool = F
         scale, o32 if o32 is not None else dummy, delta if delta is not None else dummy,
         *x.stride(), *ost, H, S, Sp, D=D, BLOCK=block, HAS_MEAN=mean is not None, WRITE_N=normal,
         WRITE_T=transposed, HAS_DELTA=o32 is not None, num_warps=4, enable_fp_fusion=False)
-    if permuted:   # position bits (k₃ k₂ k₁ k₀) ← token bits (k₁ k₃ k₂ k₀), :func:`wgmma_order`: a copy
-        # after the kernel, so that the kernel (and with it D's rounding) stays the Triton path's
-        out_t = out_t.view(B, H, D, Sp // 16, 2, 2, 2, 2).permute(0, 1, 2, 3, 5, 6, 4, 7).reshape(B, H, D, Sp)
     return out, out_t, scale, delta
 
 
@@ -579,15 +564,14 @@ def backward(q, k, v, o32, do, state, scale: float, config=None, smoothing_corre
     Skv = k.shape[1]
     Sqp, Skp = _padded(Sq), _padded(Skv)
     schedule, gluon_cfg, config = _options(config, lambda s: choose_backward_schedule(v, do, s), "backward")
+    _, do8t, sdo, delta = quantize(do, 128, normal=False, transposed=True, o32=o32)
     if schedule == "gluon":
         from . import gluon_sagebwd  # noqa: PLC0415
 
-        _, do8t, sdo, delta = quantize(do, 128, normal=False, transposed=True, o32=o32, permuted=True)
         dq, dk, dv = (torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (q, k, v))
         gluon_sagebwd.gluon_backward(v.contiguous(), do.contiguous(), state, do8t, sdo, delta, dq, dk, dv,
                                      scale=scale, smoothing_correction=smoothing_correction, config=gluon_cfg)
         return dq, dk, dv
-    _, do8t, sdo, delta = quantize(do, 128, normal=False, transposed=True, o32=o32)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

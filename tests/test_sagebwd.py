@@ -219,22 +219,22 @@ def test_kernels_match_reference(shape, outliers):
         assert rel_error(got, want) < (1e-2 if DEV == "cpu" else 2e-2), name
 
 
-def test_permuted_transposed_copy_is_the_wgmma_order():
-    """``quantize(permuted=True)``: the transposed codes with position k holding token
-    :func:`wgmma_order` (k) — a permutation within each 16 that reads bits (k₃ k₂ k₁ k₀) as token
-    (k₁ k₃ k₂ k₀) — and nothing else changed (the Gluon dV launch reads P's codes from registers
-    against it)."""
+def test_wgmma_order_of_the_dv_launchs_do_copy():
+    """The Gluon dV launch reads dO's transposed codes with position k holding token
+    :func:`wgmma_order` (k): a permutation within each 16 that reads bits (k₃ k₂ k₁ k₀) as token
+    (k₁ k₃ k₂ k₀), so that P's codes, in the accumulator's registers, are its register operand."""
+    from attnqat.kernels import gluon_sagebwd as gs
+
     k = torch.arange(64)
-    order = ks.wgmma_order(k)
+    order = gs.wgmma_order(k)
     assert torch.equal(torch.sort(order).values, k) and torch.equal(order // 16, k // 16)
     # a thread's accumulator columns {2c, 2c+1, 2c+8, 2c+9} are its operand's positions 4c … 4c+3
     assert order[:16].tolist() == [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
-    x = make_qkv(1, 300, 300, 2, 64, outliers=True, seed=5)[0]
-    o32 = make_qkv(1, 300, 300, 2, 64, seed=6)[0].float()
-    plain, plain_t, s0, d0 = ks.quantize(x, 128, transposed=True, o32=o32)
-    codes, perm_t, s1, d1 = ks.quantize(x, 128, transposed=True, o32=o32, permuted=True)
-    assert torch.equal(codes, plain) and torch.equal(s0, s1) and torch.equal(d0, d1)
-    assert not torch.equal(perm_t, plain_t) and torch.equal(perm_t, plain_t[..., ks.wgmma_order(torch.arange(384))])
+    x_t = torch.randint(-127, 128, (2, 3, 64, 384), dtype=torch.int8)
+    want = x_t[..., gs.wgmma_order(torch.arange(384))]
+    assert torch.equal(gs.wgmma_ordered(x_t), want)
+    out = torch.empty_like(x_t)
+    assert gs.wgmma_ordered(x_t, out=out) is out and torch.equal(out, want)
 
 
 def test_kernels_autograd_and_inference():
