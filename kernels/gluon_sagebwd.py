@@ -193,11 +193,12 @@ if gluon is not None:
     def _kv_codes(p, dp_tok, kv_bar, buf, i, di, sq, sdo, ds_desc, ds_out, ds_row0, ds_col, RS, SDS, n_kb,
                   s_layout: gl.constexpr, acc_row: gl.constexpr, PART: gl.constexpr, STORE: gl.constexpr,
                   D: gl.constexpr):
-        """A step's codes into ``buf`` ([64 keys, 128 queries]) and the scale their product takes: dV —
-        P per key over the step's queries, scale s_P·s_dO per key; dK — waits for dP, dS = P ∘ (dP −
-        D), one block, scale s_dS·s_Q, stored transposed (STORE: and as they are, [queries, keys],
-        for the dQ launch: staged in ``ds_out`` and stored by TMA at rows ``ds_row0`` + 128·i,
-        column ``ds_col``, with the block's row sums and scale, :func:`_store_sums`)."""
+        """A step's codes as its product's A operand, and the scale the product takes: dV — P per key
+        over the step's queries, in registers (:func:`_a_operand`), scale s_P·s_dO per key; dK —
+        waits for dP, dS = P ∘ (dP − D), one block, scale s_dS·s_Q, into ``buf`` ([64 keys, 128
+        queries]) transposed (STORE: and as they are, [queries, keys], for the dQ launch: staged in
+        ``ds_out`` and stored by TMA at rows ``ds_row0`` + 128·i, column ``ds_col``, with the block's
+        row sums and scale, :func:`_store_sums`)."""
         if PART == 1:
             pmax = gl.max(p, 1)
             pinv = gl.where(pmax > 0, 127.0 / gl.maximum(pmax, 1e-30), 0.0)
@@ -315,13 +316,13 @@ if gluon is not None:
                  (acc * out_scale).to(OUT.dtype.element_ty), mask=(offs_n < Skv)[:, None])
 
     @gluon.jit
-    def _kv_issue_prod(buf, b_ring, c_ring, stage, zero, PART: gl.constexpr):
-        """The step's INT8 product from its codes: dV — P̃ᵀ·dO₈ (dOᵀ₈ in the b ring); dK — dS̃ᵀ·Q₈ (Qᵀ₈
-        in the c ring)."""
+    def _kv_issue_prod(a, b_ring, c_ring, stage, zero, PART: gl.constexpr):
+        """The step's INT8 product from its codes ``a`` (:func:`_kv_codes`): dV — P̃ᵀ·dO₈ (dOᵀ₈ in the b
+        ring, in :func:`wgmma_order`); dK — dS̃ᵀ·Q₈ (Qᵀ₈ in the c ring)."""
         if PART == 1:
-            return warpgroup_mma(buf, b_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+            return warpgroup_mma(a, b_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
         else:
-            return warpgroup_mma(buf, c_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+            return warpgroup_mma(a, c_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
 
     @gluon.jit
     def _kv_loader(k_desc, v_desc, k_smem, v_smem, kv_bar, q_desc, b_desc, c_desc, q_ring, b_ring, c_ring,
@@ -673,7 +674,8 @@ def wgmma_ordered(x_t, out=None):
     (a new tensor when None)."""
     B, H, D, Sp = x_t.shape
     out = x_t.new_empty(x_t.shape) if out is None else out
-    out.view(B, H, D, Sp // 16, 2, 2, 2, 2).copy_(x_t.view(B, H, D, Sp // 16, 2, 2, 2, 2).permute(0, 1, 2, 3, 5, 6, 4, 7))
+    blocks = (B, H, D, Sp // 16, 2, 2, 2, 2)   # (…, k₃, k₂, k₁, k₀) ← token bits (k₁, k₃, k₂, k₀)
+    out.view(blocks).copy_(x_t.view(blocks).permute(0, 1, 2, 3, 5, 6, 4, 7))
     return out
 
 
