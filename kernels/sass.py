@@ -290,13 +290,16 @@ def gluon_sagebwd_facts(kernel) -> dict:
     cap; the partitions move theirs with ``setmaxnreg``), spill instructions, INT8 (IGMMA) and BF16
     (HGMMA) wgmma, and the waits for them. ``serialized``: a wait after every wgmma, which is what
     ptxas emits when it serializes them (its C7514 warning, e.g. when a product issued in an earlier
-    iteration of a loop is read while a later one is in flight)."""
-    _, (ops, _, _, _), facts = _kernel_facts(kernel)
+    iteration of a loop is read while a later one is in flight). ``igmma_register_a``: the INT8 wgmma
+    whose A operand is in registers; ``sts``, ``shfl``: shared-memory stores and warp shuffles."""
+    text, (ops, lines, _, _), facts = _kernel_facts(kernel)
     gmma = sum(o.startswith(("IGMMA", "HGMMA")) for o in ops)
     waits = sum(o.startswith("WARPGROUP.DEPBAR") for o in ops)
     return dict(shared_kib=round(kernel.metadata.shared / 1024, 1), registers=facts.get("registers"),
                 spill_instructions=facts["spill_instructions"], igmma=sum(o.startswith("IGMMA") for o in ops),
-                hgmma=sum(o.startswith("HGMMA") for o in ops), waits=waits, serialized=waits >= gmma)
+                hgmma=sum(o.startswith("HGMMA") for o in ops), waits=waits, serialized=waits >= gmma,
+                igmma_register_a=len(re.findall(r"IGMMA\S*\s+R\d+,\s*R\d+,", text)),
+                sts=sum(o.startswith("STS") for o in ops), shfl=sum(o.startswith("SHFL") for o in ops))
 
 
 def _specialize(names, consts: dict, typed: dict, ints: dict) -> dict:

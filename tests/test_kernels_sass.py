@@ -84,7 +84,9 @@ def test_gluon_sagebwd_launches_for_hopper():
     interpreter): each fits the 227 KiB of shared memory a block may use, keeps its INT8 and BF16
     wgmma asynchronous (no wait after every one: ptxas serializes them when a product of an earlier
     loop iteration is read while a later one runs), and the forward, dV and stored-dS dQ launches
-    have no spills."""
+    have no spills. The dV launch reads P's codes from registers (an INT8 wgmma with a register A
+    operand) and stores nothing of them to shared memory: the layout change of ``_a_operand`` moves
+    no data (its shared tile took 64 stores a warp)."""
     import json
     import subprocess
     import sys
@@ -99,6 +101,7 @@ def test_gluon_sagebwd_launches_for_hopper():
         assert f["shared_kib"] <= 227 and not f["serialized"] and f["igmma"] > 0, (launch, f)
     assert all(facts[launch]["spill_instructions"] == 0 for launch in ("fwd", "dv", "dq_stored"))
     assert facts["dk_store"]["hgmma"] > 0 and facts["dv"]["hgmma"] == facts["fwd"]["hgmma"] == 0   # dP in BF16
+    assert facts["dv"]["igmma_register_a"] > 0 and facts["dv"]["sts"] < 16, facts["dv"]
     with pytest.raises(ValueError, match="unknown Gluon sagebwd launch"):
         sass.compile_gluon_sagebwd(90, "dx")
 
