@@ -219,7 +219,7 @@ def test_kernels_match_reference(shape, outliers):
         assert rel_error(got, want) < (1e-2 if DEV == "cpu" else 2e-2), name
 
 
-def test_wgmma_order_of_the_dv_launchs_do_copy():
+def test_wgmma_order_of_the_dv_launch_do_copy():
     """The Gluon dV launch reads dO's transposed codes with position k holding token
     :func:`wgmma_order` (k): a permutation within each 16 that reads bits (k₃ k₂ k₁ k₀) as token
     (k₁ k₃ k₂ k₀), so that P's codes, in the accumulator's registers, are its register operand."""
