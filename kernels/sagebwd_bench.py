@@ -210,7 +210,7 @@ def main(argv=None) -> int:
                      ("fwd", {"gluon": {"STAGES": 3}})]
         # the Gluon launches' options (kernels/gluon_sagebwd.py): ring depths, dQ recomputing instead
         # of from stored dS, the stored codes' chunk size
-        for part, opt in (("dv", {"STAGES": 2}), ("dv", {"side_stream": False}), ("dk", {"STAGES": 1}),
+        for part, opt in (("dv", {"STAGES": 3}), ("dv", {"side_stream": False}), ("dk", {"STAGES": 1}),
                           ("dq", {"stored": False}), ("dq", {"STORED_STAGES": 2}), ("dq", {"chunk_bytes": 16 << 30})):
             variants.append(("bwd", {"schedule": "gluon", "gluon": {part: opt}}))
     if args.variants and not args.gluon_only:
