@@ -292,7 +292,7 @@ def gluon_sagebwd_facts(kernel) -> dict:
     ptxas emits when it serializes them (its C7514 warning, e.g. when a product issued in an earlier
     iteration of a loop is read while a later one is in flight). ``igmma_register_a``: the INT8 wgmma
     whose A operand is in registers; ``sts``, ``shfl``: shared-memory stores and warp shuffles."""
-    text, (ops, lines, _, _), facts = _kernel_facts(kernel)
+    text, (ops, _, _, _), facts = _kernel_facts(kernel)
     gmma = sum(o.startswith(("IGMMA", "HGMMA")) for o in ops)
     waits = sum(o.startswith("WARPGROUP.DEPBAR") for o in ops)
     return dict(shared_kib=round(kernel.metadata.shared / 1024, 1), registers=facts.get("registers"),
